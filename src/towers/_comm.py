@@ -1,0 +1,85 @@
+"""The one thin layer that talks to other processes.
+
+Engines call a :class:`Comm`; they never call ``torch.distributed`` themselves. This keeps the
+averaging logic testable in one process (:class:`LocalComm`) and lets a transport (Gloo, NCCL,
+shared memory) be chosen without touching the engines.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "DistComm", "LocalComm", "Work"]
+
+
+class Work(Protocol):
+    def wait(self) -> Any: ...
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class Comm(Protocol):
+    """Collectives among ``world_size`` ranks; every rank calls them in the same order."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
+        """Start an in-place sum over ranks; ``wait()`` on the result before reading it."""
+        ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    def barrier(self) -> None: ...
+
+
+class LocalComm:
+    """A world of one process: every collective is the identity."""
+
+    rank = 0
+    world_size = 1
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
+        return _Done()
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        pass
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+
+class DistComm:
+    """Collectives of a ``torch.distributed`` process group (Gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        assert work is not None
+        return work
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        dist.broadcast(tensor, src=src, group=self.group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)

@@ -1,0 +1,211 @@
+"""The low-level API for users who keep their own training loop: ``towers.init()``.
+
+A script written against it runs unchanged as ``python script.py`` (one tower), under
+``towers run script.py -n N`` and under ``torchrun --nproc-per-node N script.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._comm import Comm, DistComm, LocalComm
+from ._split import batch_size, map_batch, split
+from ._sync import DEFAULT_BUCKET_BYTES, GradientSync, StepResult, broadcast_module
+from ._sync import verify_same_model as _verify
+from ._world import init_process_group, launched_env
+
+__all__ = ["Context", "check_loss", "init"]
+
+Batch = TypeVar("Batch")
+
+
+def check_loss(loss: Any, where: str = "loss_fn") -> None:
+    """Raise a clear error unless ``loss`` is a scalar floating tensor with a gradient."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"{where} must return a scalar tensor (the mean loss over the shard), "
+            f"got {type(loss).__name__}"
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"{where} must return a scalar tensor (the mean loss over the shard), got a tensor "
+            f"of shape {list(loss.shape)}; reduce it, e.g. with .mean()"
+        )
+    if not loss.is_floating_point():
+        raise TypeError(f"{where} must return a floating-point tensor, got {loss.dtype}")
+    if not loss.requires_grad:
+        raise ValueError(
+            f"{where} returned a tensor that does not depend on any trainable parameter "
+            "(requires_grad is False); compute it from the model's output"
+        )
+
+
+class Context:
+    """This process's place in the job and the synchronous step.
+
+    Get one from :func:`towers.init`. Attributes: ``rank``, ``world_size``, ``local_rank``,
+    ``device`` (``cuda:LOCAL_RANK`` under NCCL, else CPU) and ``is_main`` (rank 0).
+    """
+
+    def __init__(
+        self,
+        comm: Comm,
+        local_rank: int = 0,
+        device: torch.device | None = None,
+        owns_group: bool = False,
+    ):
+        self.comm = comm
+        self._owns_group = owns_group
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self.local_rank = local_rank
+        self.device = device if device is not None else torch.device("cpu")
+        self.steps = 0
+        self._sync: GradientSync | None = None
+        self._shard_samples: int | None = None
+        self._acc_samples = 0
+        self._acc_loss = 0.0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def replicate(self, model: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> nn.Module:
+        """Give every rank rank 0's parameters and buffers, and attach the averaging hooks.
+
+        Every rank must pass a model with the same parameter and buffer names and shapes; if one
+        differs, all ranks raise ``ValueError`` naming the first difference.
+
+        Returns:
+            ``model`` itself, moved to :attr:`device`.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"replicate() needs an nn.Module, got {type(model).__name__}")
+        model.to(self.device)
+        _verify(model, self.comm)
+        broadcast_module(model, self.comm)
+        if self._sync is not None:
+            self._sync.remove()
+        self._sync = GradientSync(model.parameters(), self.comm, bucket_bytes)
+        if not self._sync.params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        return model
+
+    def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """This tower's shard of each global batch (see :func:`towers.split`), on :attr:`device`.
+
+        The shard's sample count is remembered and used by the next :meth:`step` as its weight.
+        """
+        for batch in batches:
+            shard = split(batch, self.world_size)[self.rank]
+            self._shard_samples = batch_size(shard)
+            yield map_batch(lambda t: torch.as_tensor(t).to(self.device), shard)
+
+    def _weight(self, samples: int | None) -> int:
+        if samples is None:
+            return self._shard_samples if self._shard_samples is not None else 1
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        return samples
+
+    def _backward(self, loss: torch.Tensor | None, samples: int) -> None:
+        if samples == 0 or loss is None:
+            return
+        check_loss(loss, "the loss passed to step()")
+        value = float(loss.detach())
+        self._acc_loss += value * samples if math.isfinite(value) else math.nan
+        self._acc_samples += samples
+        (loss * samples).backward()
+
+    def accumulate(self, loss: torch.Tensor, samples: int | None = None) -> None:
+        """Backward a micro-batch's loss without communicating (gradient accumulation).
+
+        The accumulated gradients are averaged, weighted by samples, at the next :meth:`step`.
+        """
+        self._backward(loss, self._weight(samples))
+
+    def step(
+        self,
+        loss: torch.Tensor | None,
+        optimizer: torch.optim.Optimizer,
+        samples: int | None = None,
+    ) -> StepResult:
+        """Backward ``loss``, average gradients over all towers, and step ``optimizer``.
+
+        The average is weighted by each tower's ``samples`` (by default the size of the last
+        shard from :meth:`shards`). If any tower's loss or gradient is not finite, no tower
+        updates (the result says which towers were at fault). Gradients are cleared afterwards.
+        Every rank must call ``step`` once per global batch; a tower with no samples passes
+        ``loss=None, samples=0``.
+
+        Returns:
+            The :class:`StepResult` of this step, identical on every rank.
+        """
+        if self._sync is None:
+            raise RuntimeError("call ctx.replicate(model) before ctx.step()")
+        samples = self._weight(samples)
+        self._sync.arm()
+        self._backward(loss, samples)
+        result = self._sync.finish(self._acc_samples, self._acc_loss)
+        if not result.skipped:
+            optimizer.step()
+        for p in self._sync.params:
+            p.grad = None
+        self._acc_samples, self._acc_loss = 0, 0.0
+        self._shard_samples = None
+        self.steps += 1
+        return result
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    def close(self) -> None:
+        """Remove the hooks and, if :func:`init` created it, the process group."""
+        if self._sync is not None:
+            self._sync.remove()
+            self._sync = None
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def init(*, backend: str | None = None, timeout: float | None = None) -> Context:
+    """Join the job this process was launched into and return its :class:`Context`.
+
+    Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``), set by ``torchrun``, ``towers run`` and :func:`towers.spawn`, and joins the
+    process group over env:// (Gloo on CPU, NCCL when CUDA is available). Without those variables
+    the process is a world of one and no process group is created.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``; chosen from the hardware by default.
+        timeout: seconds a collective may wait for the other ranks before failing.
+
+    Example:
+        >>> ctx = towers.init()
+        >>> model = ctx.replicate(build_model())  # doctest: +SKIP
+    """
+    if not launched_env():
+        return Context(LocalComm())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    owns_group = not dist.is_initialized()
+    group = init_process_group(backend, None if timeout is None else timedelta(seconds=timeout))
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    return Context(DistComm(group), local_rank, device, owns_group)

@@ -1,0 +1,68 @@
+"""The sequence of global batches: depends on the data size, ``batch_size``, ``shuffle`` and
+``seed`` only, never on the number of workers.
+
+The order is exactly what ``torch.utils.data.DataLoader(data, batch_size, shuffle=shuffle,
+generator=torch.Generator().manual_seed(seed))`` yields when iterated epoch after epoch (the index
+sampler is DataLoader's own), so a plain single-process loop over such a DataLoader sees the same
+batches as towers do. The last batch of an epoch may be smaller; it is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+
+from ._split import batch_size as _batch_size
+from ._split import map_batch
+
+__all__ = ["batches_per_epoch", "global_batches", "num_samples", "take"]
+
+
+def num_samples(data: Any) -> int:
+    """How many samples ``data`` holds; ``ValueError``/``TypeError`` if it is not usable data."""
+    if isinstance(data, IterableDataset):
+        raise TypeError(
+            "data is an IterableDataset; towers needs random access to split global batches "
+            "reproducibly: pass a map-style Dataset (with __len__ and __getitem__) or tensors"
+        )
+    if isinstance(data, Dataset):
+        if not hasattr(data, "__len__"):
+            raise TypeError("data is a Dataset without __len__; towers needs its length")
+        return len(data)  # type: ignore[arg-type]
+    if isinstance(data, (torch.Tensor, np.ndarray, tuple, list, Mapping)):
+        try:
+            return _batch_size(data)
+        except ValueError as exc:
+            raise ValueError(f"data: {exc}") from None
+    raise TypeError(
+        f"data must be a tensor, a tuple/dict of tensors sharing dim 0, or a map-style "
+        f"torch.utils.data.Dataset; got {type(data).__name__}"
+    )
+
+
+def batches_per_epoch(n: int, batch_size: int) -> int:
+    return math.ceil(n / batch_size)
+
+
+def global_batches(n: int, batch_size: int, shuffle: bool, seed: int) -> Iterator[torch.Tensor]:
+    """Indices of each global batch, epoch after epoch, without end."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    loader = DataLoader(range(n), batch_size=batch_size, shuffle=shuffle, generator=generator)
+    while True:
+        yield from loader
+
+
+def take(data: Any, indices: torch.Tensor) -> Any:
+    """The samples at ``indices``: tensors indexed, or a Dataset's items collated."""
+    if isinstance(data, Dataset) and not isinstance(data, (torch.Tensor, tuple, list, Mapping)):
+        return default_collate([data[i] for i in indices.tolist()])
+    return map_batch(
+        lambda t: torch.from_numpy(t[indices.numpy()]) if isinstance(t, np.ndarray) else t[indices],
+        data,
+    )
