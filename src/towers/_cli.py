@@ -47,7 +47,7 @@ def _demo(args: argparse.Namespace) -> int:
     for r in results[1:]:
         gap = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r.losses, base))
         print(
-            f"\n{r.mode} with {r.workers} workers vs 1 worker: largest relative loss difference "
+            f"\n{r.mode}, {r.workers} workers vs 1 worker: largest relative loss difference "
             f"over all steps {gap:.1e} (the same training, split over towers)"
         )
     path = _plot(results, Path(args.out))
@@ -91,10 +91,7 @@ def _run(args: argparse.Namespace) -> int:
     if mode.name != "sync":
         print(f"towers run: mode {args.mode!r} is not available yet; use sync", file=sys.stderr)
         return 2
-    script_args = list(args.args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
-    return run_script(args.script, args.nproc, script_args, addr=args.addr, port=args.port)
+    return run_script(args.script, args.nproc, args.script_args, addr=args.addr, port=args.port)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,21 +112,31 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="run a script as N local workers (the torchrun environment)",
+        usage="towers run SCRIPT [-n N] [--mode M] [--addr A] [--port P] -- [ARGS ...]",
         description="Start N copies of SCRIPT with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
-        "MASTER_PORT set as torchrun sets them; stop them all if one fails.",
+        "MASTER_PORT set as torchrun sets them; stop them all if one fails. Arguments after -- "
+        "go to the script.",
     )
     run.add_argument("script")
     run.add_argument("-n", "--nproc", type=int, default=2, help="workers (default 2)")
     run.add_argument("--mode", default="sync", help="training mode (default sync)")
     run.add_argument("--addr", default="127.0.0.1", help="rendezvous address (default loopback)")
     run.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script, after --")
     run.set_defaults(func=_run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if "--" in argv:  # everything after the first -- belongs to the script of `towers run`
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1 :]
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command != "run" and (unknown or script_args):
+        parser.error(f"unrecognized arguments: {' '.join(unknown + script_args)}")
+    args.script_args = unknown + script_args
     for name in ("workers", "nproc", "steps"):
         value = getattr(args, name, None)
         if value is not None and value < 1:

@@ -119,8 +119,8 @@ def _check_picklable(name: str, obj: Any, hint: str) -> None:
 def _check_factory(name: str, factory: Any, arg: Any, expected: type, example: str) -> Any:
     if isinstance(factory, expected):
         raise TypeError(
-            f"{name} must be a callable that builds a {expected.__name__} (each worker builds "
-            f"its own), not a {expected.__name__} instance; e.g. {example}"
+            f"{name} must be a callable that returns a new {expected.__name__} (each worker "
+            f"builds its own), not an instance; e.g. {example}"
         )
     if not callable(factory):
         raise TypeError(f"{name} must be callable, e.g. {example}; got {type(factory).__name__}")

@@ -1,0 +1,114 @@
+"""Reference implementations the tests compare towers against: plain single-process PyTorch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from towers import split
+
+
+class Net(nn.Module):
+    def __init__(self, d_in: int = 3, hidden: int = 8):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def mse(model: nn.Module, shard) -> torch.Tensor:
+    x, y = shard
+    return (model(x) - y).square().mean()
+
+
+def dict_mse(model: nn.Module, shard) -> torch.Tensor:
+    return (model(shard["x"]) - shard["y"]).square().mean()
+
+
+def regression_data(n: int = 45, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, generator=g)
+    y = (x[:, :1] * 2 - x[:, 1:2]).sin() + 0.1 * torch.randn(n, 1, generator=g)
+    return x, y
+
+
+def reference_loop(
+    model: nn.Module,
+    data,
+    *,
+    batch_size: int,
+    steps: int,
+    optimizer,
+    lr_schedule=None,
+    seed: int = 0,
+    shuffle: bool = True,
+    loss_fn=mse,
+    towers: int | None = None,
+):
+    """A plain loop over DataLoader batches; skips a step whose loss or gradient isn't finite.
+
+    Returns (losses, per-tower losses of the split batch if ``towers`` is given, skipped steps).
+    """
+    dataset = TensorDataset(*data) if isinstance(data, tuple) else data
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    opt = optimizer(model.parameters())
+    schedule = lr_schedule(opt) if lr_schedule else None
+    losses, tower_losses, skipped = [], [], []
+    it = iter(loader)
+    for step in range(steps):
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            batch = next(it)
+        if towers is not None:
+            with torch.no_grad():
+                tower_losses.append(
+                    [
+                        loss_fn(model, s).item() if len(s[0]) else math.nan
+                        for s in split(tuple(batch), towers)
+                    ]
+                )
+        opt.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        grads_ok = all(
+            torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None
+        )
+        if math.isfinite(loss.item()) and grads_ok:
+            opt.step()
+        else:
+            skipped.append(step)
+        if schedule is not None:
+            schedule.step()
+        losses.append(loss.item())
+    return losses, tower_losses, skipped
+
+
+def assert_same_parameters(a: nn.Module, b: nn.Module, rtol: float = 1e-5, atol: float = 1e-6):
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol, msg=name)
+
+
+def assert_close_lists(got, expected, rtol: float = 1e-5, atol: float = 1e-7):
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        if math.isnan(e):
+            assert math.isnan(g), f"step {i}: {g} != nan"
+        else:
+            assert math.isclose(g, e, rel_tol=rtol, abs_tol=atol), f"step {i}: {g} != {e}"

@@ -1,0 +1,159 @@
+"""Worker processes: spawn, failures, the low-level step API, towers run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import Net, make_net, mse, regression_data
+
+import towers
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def env_report():
+    import towers._world as w
+
+    return {k: os.environ.get(k) for k in w.ENV_KEYS}, torch.get_num_threads()
+
+
+def raise_on_rank_1():
+    if os.environ["RANK"] == "1":
+        raise KeyError("rank 1 could not find its data")
+    return "fine"
+
+
+def kill_rank_1():
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    ctx = towers.init(timeout=60)
+    ctx.barrier()  # blocks: rank 1 never arrives; the caller must stop us
+
+
+@pytest.mark.timeout(60)
+def test_spawn_gives_every_worker_the_torchrun_environment():
+    reports = towers.spawn(env_report, 3)
+    ports = {r[0]["MASTER_PORT"] for r in reports}
+    assert len(ports) == 1
+    for rank, (env, threads) in enumerate(reports):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "3"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert threads == max(1, len(os.sched_getaffinity(0)) // 3)
+
+
+@pytest.mark.timeout(60)
+def test_worker_exception_is_raised_in_the_caller_with_its_type():
+    with pytest.raises(KeyError, match="rank 1 could not find its data") as info:
+        towers.spawn(raise_on_rank_1, 2)
+    assert any("raised in towers worker 1" in note for note in info.value.__notes__)
+
+
+@pytest.mark.timeout(60)
+def test_killed_worker_is_named_and_the_others_are_stopped():
+    with pytest.raises(towers.WorkerError, match=r"worker 1 .* died with signal SIGKILL") as info:
+        towers.spawn(kill_rank_1, 3, failure_grace=1.0)
+    assert info.value.rank == 1 and info.value.exitcode == -signal.SIGKILL
+
+
+def different_model_on_rank_1():
+    ctx = towers.init()
+    model = make_net() if ctx.rank == 0 else torch.nn.Sequential(torch.nn.Linear(3, 8))
+    try:
+        ctx.replicate(model)
+    finally:
+        ctx.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_different_model_on_one_rank_fails_at_start_naming_the_parameter():
+    with pytest.raises(ValueError, match=r"rank 1 differs from rank 0's .*'fc1.weight'"):
+        towers.spawn(different_model_on_rank_1, 2)
+
+
+def low_level_steps():
+    """Own loop: rank 0's initial weights win; samples weigh the towers; empty towers work."""
+    ctx = towers.init()
+    torch.manual_seed(ctx.rank)  # different initial weights: replicate must fix that
+    model = ctx.replicate(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = regression_data(7)
+    results = []
+    # global batches of 7 and of 2 samples: uneven shards, and an empty one for rank 2
+    for shard in ctx.shards([(x, y), (x[:2], y[:2])]):
+        loss = mse(model, shard) if len(shard[0]) else None
+        results.append(ctx.step(loss, opt))
+    params = [p.detach().clone() for p in model.parameters()]
+    ctx.close()
+    return results, params
+
+
+@pytest.mark.timeout(60)
+def test_low_level_step_matches_a_plain_loop():
+    out = towers.spawn(low_level_steps, 3)
+    torch.manual_seed(0)
+    reference = Net()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = regression_data(7)
+    for step, batch in enumerate([(x, y), (x[:2], y[:2])]):
+        opt.zero_grad()
+        loss = mse(reference, batch)
+        loss.backward()
+        opt.step()
+        for results, _ in out:
+            r = results[step]
+            assert r.loss == pytest.approx(loss.item(), rel=1e-5)
+            assert r.tower_samples == ([3, 2, 2] if step == 0 else [1, 1, 0])
+            assert not r.skipped
+    for _, params in out:
+        for p, q in zip(params, reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_init_without_a_launcher_is_a_world_of_one(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with towers.init() as ctx:
+        assert (ctx.rank, ctx.world_size, ctx.is_main) == (0, 1, True)
+        model = ctx.replicate(make_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        r = ctx.step(mse(model, regression_data(4)), opt, samples=4)
+        assert r.tower_samples == [4] and not r.skipped
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    rank = int(os.environ["RANK"])
+    # one write per line: ranks share the pipe, and print() writes the newline separately
+    sys.stdout.write(f"rank {rank} of {os.environ['WORLD_SIZE']} args {sys.argv[1:]}\\n")
+    sys.stdout.flush()
+    if "--fail" in sys.argv and rank == 1:
+        sys.exit(3)
+    if "--fail" in sys.argv:
+        time.sleep(60)  # the launcher must stop this rank once rank 1 failed
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_towers_run_starts_ranks_and_stops_them_when_one_fails(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": SRC}
+    cmd = [sys.executable, "-m", "towers._cli", "run", str(script), "-n", "3", "--", "--x", "1"]
+    ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
+    assert ok.returncode == 0, ok.stderr
+    for rank in range(3):
+        assert f"rank {rank} of 3 args ['--x', '1']" in ok.stdout
+    cmd = [sys.executable, "-m", "towers._cli", "run", str(script), "-n", "3", "--", "--fail"]
+    failed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
+    assert failed.returncode == 3
+    assert "rank 1 failed with exit code 3" in failed.stderr

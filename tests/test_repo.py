@@ -1,0 +1,30 @@
+"""The repository keeps its promises: lint-clean, and CI runs the README's test command."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"```bash\n(.+?)\n```", readme)
+    assert "towers demo" in commands[0] and "pytest" in commands[1]
+    assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+@pytest.mark.skipif(
+    shutil.which("ruff") is None and not (ROOT / ".venv/bin/ruff").exists(),
+    reason="ruff is not installed",
+)
+def test_ruff_check_and_format():
+    ruff = shutil.which("ruff") or str(ROOT / ".venv/bin/ruff")
+    for args in (["check", "."], ["format", "--check", "."]):
+        out = subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,100 @@
+"""What towers shows a person: progress bar, TensorBoard scalars, the demo."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import pytest
+from helpers import make_net, mse, regression_data
+
+import towers
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+PROGRESS = """
+import sys
+sys.path.insert(0, {tests!r})
+import towers
+from helpers import make_net, mse, regression_data
+if __name__ == "__main__":
+    towers.train(make_net(), mse, regression_data(20), batch_size=5, steps=6, workers=2,
+                 progress={progress})
+"""
+
+
+def run_on_terminal(code: str, cwd: Path) -> str:
+    """Run python code with stderr on a pseudo-terminal; return what it wrote there."""
+    leader, follower = pty.openpty()
+    # a terminal 120 columns wide (a fresh pty has 0, where progress bars draw nothing)
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=follower, cwd=cwd, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed: every writer exited
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.timeout(90)
+def test_progress_bar_on_a_terminal_only(tmp_path):
+    tests = str(Path(__file__).parent)
+    shown = run_on_terminal(PROGRESS.format(tests=tests, progress=True), tmp_path)
+    assert "6/6" in shown and "loss=" in shown and "samples_s=" in shown
+    hidden = run_on_terminal(PROGRESS.format(tests=tests, progress=False), tmp_path)
+    assert "loss=" not in hidden
+
+
+@pytest.mark.timeout(60)
+def test_tensorboard_scalars_match_the_result(tmp_path):
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    result = towers.train(
+        make_net(),
+        mse,
+        regression_data(20),
+        batch_size=5,
+        steps=4,
+        workers=2,
+        log_dir=tmp_path,
+        progress=False,
+    )
+    events = event_accumulator.EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss/mean", "loss/tower_0", "loss/tower_1", "samples_per_second"} <= tags
+    logged = [e.value for e in events.Scalars("loss/mean")]
+    assert logged == pytest.approx(result.losses, rel=1e-6)
+    per_tower = [e.value for e in events.Scalars("loss/tower_1")]
+    assert per_tower == pytest.approx([t[1] for t in result.tower_losses], rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_demo_prints_a_table_and_writes_the_plot(tmp_path):
+    png = tmp_path / "curves.png"
+    cmd = [sys.executable, "-m", "towers._cli", "demo", "--steps", "200", "--out", str(png)]
+    env = {**os.environ, "PYTHONPATH": SRC}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("sync ")]
+    assert [r[1] for r in rows] == ["1", "4"]
+    assert all(r[3] == "200" for r in rows)
+    assert abs(float(rows[0][2]) - float(rows[1][2])) <= 1e-5 * float(rows[0][2])
+    assert f"loss curves: {png}" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,194 @@
+"""towers.train in sync mode against a plain single-process PyTorch loop."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from helpers import (
+    Net,
+    assert_close_lists,
+    assert_same_parameters,
+    dict_mse,
+    make_net,
+    mse,
+    reference_loop,
+    regression_data,
+)
+from torch.utils.data import Dataset
+
+import towers
+
+SGD_MOMENTUM = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+# Seed 001's staircase exponential decay: lr * 0.5 ** floor(step / 3).
+STAIRCASE = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3, gamma=0.5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_sync_matches_single_process_loop(workers):
+    # 45 samples in batches of 10: shards of 10 and of the epoch's last batch (5) are uneven for
+    # 3 and 4 workers; 12 steps cross an epoch boundary (a new permutation).
+    data = regression_data(45)
+    result = towers.train(
+        make_net(),
+        mse,
+        data,
+        batch_size=10,
+        steps=12,
+        workers=workers,
+        optimizer=SGD_MOMENTUM,
+        lr_schedule=STAIRCASE,
+        seed=7,
+        progress=False,
+    )
+    reference = make_net()
+    losses, tower_losses, skipped = reference_loop(
+        reference,
+        data,
+        batch_size=10,
+        steps=12,
+        optimizer=SGD_MOMENTUM,
+        lr_schedule=STAIRCASE,
+        seed=7,
+        towers=workers,
+    )
+    assert skipped == [] and result.skipped == []
+    assert_close_lists(result.losses, losses)
+    for got, expected in zip(result.tower_losses, tower_losses, strict=True):
+        assert_close_lists(got, expected)
+    assert_same_parameters(result.model, reference)
+    assert (result.steps, result.samples, result.workers, result.mode) == (12, 110, workers, "sync")
+    assert result.staleness == [] and result.seconds > 0
+    # the caller's model is left as it was
+    assert_same_parameters(make_net(), make_net())
+
+
+class PairDataset(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.timeout(60)
+def test_dataset_dict_data_and_accumulation_match_reference():
+    x, y = regression_data(30)
+    adam = functools.partial(torch.optim.Adam, lr=0.01)
+    ref = make_net()
+    losses, _, _ = reference_loop(ref, (x, y), batch_size=8, steps=6, optimizer=adam, seed=3)
+
+    # a map-style Dataset, gradient accumulation over 2 micro-batches per tower
+    r1 = towers.train(
+        make_net(),
+        mse,
+        PairDataset(x, y),
+        batch_size=8,
+        steps=6,
+        workers=3,
+        optimizer=adam,
+        seed=3,
+        accumulate=2,
+        progress=False,
+    )
+    # a dict of tensors, epochs instead of steps (30 samples / 8 = 4 batches per epoch)
+    r2 = towers.train(
+        make_net(),
+        dict_mse,
+        {"x": x, "y": y},
+        batch_size=8,
+        epochs=2,
+        workers=2,
+        optimizer=adam,
+        seed=3,
+        progress=False,
+    )
+    assert_close_lists(r1.losses, losses)
+    assert_same_parameters(r1.model, ref)
+    ref8 = make_net()
+    losses8, _, _ = reference_loop(ref8, (x, y), batch_size=8, steps=8, optimizer=adam, seed=3)
+    assert r2.steps == 8
+    assert_close_lists(r2.losses, losses8)
+    assert_same_parameters(r2.model, ref8)
+
+
+def nan_at_sample_7(model, shard):
+    return mse(model, shard)
+
+
+@pytest.mark.timeout(60)
+def test_nan_in_one_sample_skips_the_step_on_every_tower():
+    x, y = regression_data(40)
+    x[7, 1] = float("nan")
+    workers, batch = 3, 10
+    result = towers.train(
+        make_net(),
+        mse,
+        (x, y),
+        batch_size=batch,
+        steps=8,
+        workers=workers,
+        optimizer=SGD_MOMENTUM,
+        seed=5,
+        progress=False,
+    )
+    reference = make_net()
+    losses, _, skipped = reference_loop(
+        reference, (x, y), batch_size=batch, steps=8, optimizer=SGD_MOMENTUM, seed=5
+    )
+    # sample 7 is in one batch per epoch: two epochs of 4 batches, so two skipped steps
+    assert len(skipped) == 2
+    assert [s for s, _ in result.skipped] == skipped
+    # the culprit is the tower whose shard holds sample 7
+    order = torch.utils.data.DataLoader(
+        range(40), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(5)
+    )
+    batches = [b for _ in range(2) for b in order]
+    for step, culprits in result.skipped:
+        shards = towers.split(batches[step], workers)
+        assert culprits == [i for i, s in enumerate(shards) if 7 in s.tolist()]
+        assert math.isnan(result.losses[step])
+        assert sum(math.isnan(v) for v in result.tower_losses[step]) == 1
+    assert_close_lists(result.losses, losses)
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())
+    assert_same_parameters(result.model, reference)
+
+
+@pytest.mark.timeout(60)
+def test_fewer_samples_than_workers_in_a_batch():
+    # batches of 3 over 4 towers: one tower has nothing each step and weighs nothing
+    x, y = regression_data(9)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    result = towers.train(
+        make_net(), mse, (x, y), batch_size=3, steps=5, workers=4, optimizer=sgd, progress=False
+    )
+    reference = make_net()
+    losses, _, _ = reference_loop(reference, (x, y), batch_size=3, steps=5, optimizer=sgd)
+    assert_close_lists(result.losses, losses)
+    assert all(math.isnan(t[3]) for t in result.tower_losses)
+    assert_same_parameters(result.model, reference)
+
+
+class Unused(Net):
+    """A parameter that never gets a gradient stays without one (and Adam leaves it alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.ones(2))
+
+
+def test_parameter_without_gradient_is_not_updated():
+    torch.manual_seed(0)
+    model = Unused()
+    x, y = regression_data(12)
+    adam = functools.partial(torch.optim.Adam, lr=0.1, weight_decay=0.1)
+    result = towers.train(
+        model, mse, (x, y), batch_size=6, steps=3, workers=1, optimizer=adam, progress=False
+    )
+    assert torch.equal(result.model.unused, torch.ones(2))
