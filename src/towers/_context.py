@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Iterator
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -193,7 +192,9 @@ def init(*, backend: str | None = None, timeout: float | None = None) -> Context
 
     Args:
         backend: ``"gloo"`` or ``"nccl"``; chosen from the hardware by default.
-        timeout: seconds a collective may wait for the other ranks before failing.
+        timeout: seconds a rank may wait for the others (rendezvous or a collective) before
+            the job fails; default 60. A dead or stuck worker thus ends the job instead of
+            hanging it.
 
     Example:
         >>> ctx = towers.init()
@@ -203,7 +204,7 @@ def init(*, backend: str | None = None, timeout: float | None = None) -> Context
         return Context(LocalComm())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     owns_group = not dist.is_initialized()
-    group = init_process_group(backend, None if timeout is None else timedelta(seconds=timeout))
+    group = init_process_group(backend, timeout)
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", local_rank)

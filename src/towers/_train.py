@@ -208,7 +208,9 @@ def train(
         progress: show a progress bar when stderr is a terminal.
         accumulate: micro-batches per tower shard (gradient accumulation; same result, less
             memory).
-        timeout: seconds after which the workers are stopped and ``TimeoutError`` raised.
+        timeout: seconds a worker may wait for the others (rendezvous or a collective) before
+            the job fails; default 60. If a worker dies, the others and this call stop at once
+            with a :class:`towers.WorkerError` naming it.
 
     Returns:
         A :class:`TrainResult`.
@@ -297,7 +299,7 @@ def train(
         with torch.random.fork_rng(devices=[]):
             out = _worker(spec)
     else:
-        out = spawn(_worker, workers, spec, timeout=timeout)[0]
+        out = spawn(_worker, workers, spec)[0]
     trained = copy.deepcopy(model).cpu()
     trained.load_state_dict(out.pop("state_dict"))
     return TrainResult(model=trained, mode=str(parsed), workers=workers, **out)

@@ -9,6 +9,7 @@ otherwise: torch.distributed has no authentication and belongs on trusted networ
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import multiprocessing.connection
 import os
 import pickle
@@ -38,6 +39,9 @@ __all__ = [
 
 ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_ADDR = "127.0.0.1"
+# How long a rank waits for the others (rendezvous, or any collective) before the job fails:
+# a dead or stuck worker ends the job within this bound instead of hanging it.
+DEFAULT_TIMEOUT = 60.0
 
 
 class WorkerError(RuntimeError):
@@ -70,8 +74,15 @@ def free_port(addr: str = DEFAULT_ADDR) -> int:
 
 
 def worker_env(rank: int, world_size: int, addr: str, port: int) -> dict[str, str]:
-    """The variables torchrun sets for one worker of a single-node job."""
-    return {
+    """The variables torchrun sets for one worker of a single-node job.
+
+    On a loopback address Gloo is also told to use the loopback interface, so that no socket of
+    a local job listens on the network.
+    """
+    env = {}
+    if _is_loopback(addr) and os.path.exists("/sys/class/net/lo"):
+        env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    return env | {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world_size),
@@ -288,18 +299,64 @@ def _failure(rank: int, proc: Any, status: str, rest: list[Any]) -> BaseExceptio
     )
 
 
-def init_process_group(
-    backend: str | None = None, timeout: timedelta | None = None
-) -> dist.ProcessGroup:
-    """Initialise the default process group from the launcher's environment (env://)."""
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _loopback_store(addr: str, port: int, rank: int, world: int, timeout: timedelta) -> Any:
+    """A rendezvous store that listens on loopback only.
+
+    torch's TCPStore listens on every interface; handing it a socket bound to ``addr`` keeps a
+    single-machine job unreachable from the network.
+    """
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((addr, port))
+            sock.listen()
+        except OSError as exc:
+            sock.close()
+            raise OSError(
+                exc.errno,
+                f"cannot listen for the rendezvous on {addr}:{port}: {exc.strerror}; the port is "
+                "in use: choose another MASTER_PORT, or leave it unset for a free one",
+            ) from None
+        return dist.TCPStore(
+            addr, port, world, True, timeout, wait_for_workers=False, master_listen_fd=sock.detach()
+        )
+    try:
+        return dist.TCPStore(addr, port, world, False, timeout)
+    except dist.DistError as exc:
+        raise TimeoutError(
+            f"rank {rank} could not reach the rendezvous at {addr}:{port} within "
+            f"{timeout.total_seconds():g} s: is rank 0 running, and are MASTER_ADDR and "
+            f"MASTER_PORT right? ({str(exc).splitlines()[0]})"
+        ) from None
+
+
+def init_process_group(backend: str | None = None, timeout: float | None = None) -> Any:
+    """Initialise the default process group from the launcher's environment.
+
+    Under torchrun the launcher's store is used (env://). A job of our own on a loopback
+    ``MASTER_ADDR`` gets a store that listens on loopback only.
+    """
     if dist.is_initialized():
-        return dist.group.WORLD  # type: ignore[return-value]
+        return dist.group.WORLD
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    kwargs: dict[str, Any] = {"backend": backend, "init_method": "env://"}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
+    wait = timedelta(seconds=DEFAULT_TIMEOUT if timeout is None else timeout)
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": wait}
     if backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(**kwargs)
-    return dist.group.WORLD  # type: ignore[return-value]
+    addr = os.environ["MASTER_ADDR"]
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if _is_loopback(addr) and not under_torchrun:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = _loopback_store(addr, int(os.environ["MASTER_PORT"]), rank, world, wait)
+        dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
+    else:
+        dist.init_process_group(init_method="env://", **kwargs)
+    return dist.group.WORLD
