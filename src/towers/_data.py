@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from ._split import batch_size as _batch_size
 from ._split import map_batch
 
-__all__ = ["batches_per_epoch", "global_batches", "num_samples", "take"]
+__all__ = ["BatchOrder", "batches_per_epoch", "global_batches", "num_samples", "take"]
 
 
 def num_samples(data: Any) -> int:
@@ -49,13 +49,62 @@ def batches_per_epoch(n: int, batch_size: int) -> int:
     return math.ceil(n / batch_size)
 
 
+class BatchOrder:
+    """Indices of each global batch, epoch after epoch, with a resumable position.
+
+    The position is the epoch, the index of the next batch in it, the epoch's permutation and
+    the generator state after drawing it: restoring them continues the exact sequence.
+    """
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int):
+        self.config = {"samples": n, "batch_size": batch_size, "shuffle": shuffle, "seed": seed}
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+        self.loader = DataLoader(
+            range(n), batch_size=batch_size, shuffle=shuffle, generator=self.generator
+        )
+        self.epoch = -1
+        self.index = 0
+        self.batches: list[torch.Tensor] = []
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.index >= len(self.batches):
+            self.batches = list(self.loader)  # draws this epoch's permutation
+            self.epoch += 1
+            self.index = 0
+        batch = self.batches[self.index]
+        self.index += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        permutation = torch.cat(self.batches) if self.batches else torch.zeros(0, dtype=torch.long)
+        return {
+            **self.config,
+            "epoch": self.epoch,
+            "index": self.index,
+            "permutation": permutation,
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in self.config.items():
+            if state[key] != value:
+                raise ValueError(
+                    f"the checkpoint was made with {key}={state[key]!r}, this run has "
+                    f"{key}={value!r}; resume with the same data, batch_size, shuffle and seed, "
+                    "or use another checkpoint directory"
+                )
+        self.generator.set_state(state["generator"])
+        self.batches = list(state["permutation"].split(self.config["batch_size"]))
+        self.epoch, self.index = state["epoch"], state["index"]
+
+
 def global_batches(n: int, batch_size: int, shuffle: bool, seed: int) -> Iterator[torch.Tensor]:
     """Indices of each global batch, epoch after epoch, without end."""
-    generator = torch.Generator()
-    generator.manual_seed(seed)
-    loader = DataLoader(range(n), batch_size=batch_size, shuffle=shuffle, generator=generator)
-    while True:
-        yield from loader
+    return BatchOrder(n, batch_size, shuffle, seed)
 
 
 def take(data: Any, indices: torch.Tensor) -> Any:

@@ -11,18 +11,22 @@ import functools
 import importlib
 import os
 import pickle
+import shutil
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from . import _checkpoint
 from ._context import Context, check_loss, init
-from ._data import batches_per_epoch, global_batches, num_samples, take
+from ._data import BatchOrder, batches_per_epoch, global_batches, num_samples, take
 from ._modes import Mode, parse_mode
 from ._split import map_batch, split
 from ._world import launched_env, spawn
@@ -55,6 +59,7 @@ class TrainResult:
         staleness: asynchronous modes: one entry per applied update; empty in sync mode.
         mode: the mode trained in.
         workers: the number of towers.
+        restarts: how many times the workers were relaunched after a failure.
     """
 
     model: nn.Module
@@ -67,6 +72,7 @@ class TrainResult:
     staleness: list[int] = field(default_factory=list)
     mode: str = "sync"
     workers: int = 1
+    restarts: int = 0
 
     @property
     def samples_per_second(self) -> float:
@@ -95,7 +101,10 @@ class _Spec:
     progress: bool
     accumulate: int
     timeout: float | None
+    checkpoint: str | None
+    checkpoint_every: int
     every_rank: bool  # every rank returns the result (launched jobs), not only rank 0
+    resume: dict[str, Any] | None = None  # the checkpoint to start from, read by the caller
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -173,6 +182,8 @@ def train(
     progress: bool = True,
     accumulate: int = 1,
     timeout: float | None = None,
+    checkpoint_every: int = 100,
+    max_restarts: int = 0,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -203,7 +214,9 @@ def train(
         lr_schedule: ``optimizer -> LRScheduler``, stepped once per global batch.
         seed: seeds the batch order (and each worker's RNG as ``seed + rank``).
         shuffle: draw a new permutation of ``data`` every epoch.
-        checkpoint: not supported yet; must be ``None``.
+        checkpoint: a directory for checkpoints (parameters, optimizer and schedule state, data
+            position, RNG states, and the results so far). If it holds a checkpoint, training
+            resumes from it and ends exactly where an uninterrupted run ends.
         log_dir: write TensorBoard scalars there (needs the ``tensorboard`` package).
         progress: show a progress bar when stderr is a terminal.
         accumulate: micro-batches per tower shard (gradient accumulation; same result, less
@@ -211,6 +224,10 @@ def train(
         timeout: seconds a worker may wait for the others (rendezvous or a collective) before
             the job fails; default 60. If a worker dies, the others and this call stop at once
             with a :class:`towers.WorkerError` naming it.
+        checkpoint_every: steps between checkpoints (one is also written at the end).
+        max_restarts: after a failure, relaunch the workers and resume from the last
+            checkpoint up to this many times (a temporary directory is used if ``checkpoint``
+            is not given).
 
     Returns:
         A :class:`TrainResult`.
@@ -239,6 +256,13 @@ def train(
     _positive_int("steps", steps, allow_none=True)
     _positive_int("epochs", epochs, allow_none=True)
     _positive_int("accumulate", accumulate)
+    _positive_int("checkpoint_every", checkpoint_every)
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"checkpoint must be a directory path, got {type(checkpoint).__name__}")
+    if checkpoint is not None and Path(checkpoint).exists() and not Path(checkpoint).is_dir():
+        raise ValueError(f"checkpoint={str(checkpoint)!r} exists and is not a directory")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if (steps is None) == (epochs is None):
@@ -252,8 +276,6 @@ def train(
         raise NotImplementedError(
             f"mode {mode!r} is not available in this version of towers; use mode='sync'"
         )
-    if checkpoint is not None:
-        raise NotImplementedError("checkpoint= is not available in this version of towers")
     if log_dir is not None:
         try:
             importlib.import_module("torch.utils.tensorboard")
@@ -290,19 +312,54 @@ def train(
         progress=bool(progress),
         accumulate=accumulate,
         timeout=timeout,
+        checkpoint=None if checkpoint is None else os.fspath(checkpoint),
+        checkpoint_every=checkpoint_every,
         every_rank=launched,
     )
     with torch.random.fork_rng(devices=[]):
         _preflight(spec, workers)
 
-    if launched or workers == 1:
+    scratch = None
+    if max_restarts and spec.checkpoint is None:
+        scratch = spec.checkpoint = tempfile.mkdtemp(prefix="towers-checkpoints-")
+    try:
+        restarts = 0
+        while True:
+            try:
+                out = _launch(spec, workers, in_process=launched or (workers == 1 and not scratch))
+                break
+            except Exception as exc:
+                if launched or restarts >= max_restarts:
+                    raise
+                restarts += 1
+                warnings.warn(
+                    f"training failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                    f"restart {restarts} of {max_restarts} from the last checkpoint",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    trained = copy.deepcopy(model).cpu()
+    trained.load_state_dict(out.pop("state_dict"))
+    return TrainResult(model=trained, mode=str(parsed), workers=workers, restarts=restarts, **out)
+
+
+def _launch(spec: _Spec, workers: int, in_process: bool) -> dict[str, Any]:
+    # Read in the caller, so that a fallback warning or a mismatch is raised here, and read
+    # anew on every attempt, so that a restart continues from the newest checkpoint.
+    if spec.checkpoint is not None:
+        spec.resume = _checkpoint.load_latest(spec.checkpoint)
+        if spec.resume is not None:
+            _check_resumable(spec, spec.resume)
+    if in_process:
         with torch.random.fork_rng(devices=[]):
             out = _worker(spec)
     else:
         out = spawn(_worker, workers, spec)[0]
-    trained = copy.deepcopy(model).cpu()
-    trained.load_state_dict(out.pop("state_dict"))
-    return TrainResult(model=trained, mode=str(parsed), workers=workers, **out)
+    assert out is not None
+    return out
 
 
 def _worker(spec: _Spec) -> dict[str, Any] | None:
@@ -347,6 +404,58 @@ class _Reporter:
             self.writer.close()
 
 
+def _check_resumable(spec: _Spec, state: dict[str, Any]) -> None:
+    BatchOrder(num_samples(spec.data), spec.batch_size, spec.shuffle, spec.seed).load_state_dict(
+        state["data"]
+    )
+    if state["mode"] != str(spec.mode):
+        raise ValueError(
+            f"the checkpoint in {spec.checkpoint} is of a {state['mode']!r} run, this run is "
+            f"{str(spec.mode)!r}; use another checkpoint directory"
+        )
+    if state["step"] > spec.steps:
+        raise ValueError(
+            f"the checkpoint in {spec.checkpoint} is at step {state['step']}, beyond "
+            f"steps={spec.steps}; ask for at least {state['step']} steps"
+        )
+
+
+def _restore(
+    ctx: Context, spec: _Spec, state: dict[str, Any], parts: dict[str, Any]
+) -> dict[str, Any]:
+    """Load a checkpoint into the run's parts; return the results recorded so far."""
+    parts["model"].load_state_dict(state["model"])
+    parts["optimizer"].load_state_dict(state["optimizer"])
+    if parts["schedule"] is not None and state["schedule"] is not None:
+        parts["schedule"].load_state_dict(state["schedule"])
+    parts["order"].load_state_dict(state["data"])
+    rng = state["rng"]
+    if len(rng) == ctx.world_size:
+        torch.set_rng_state(rng[ctx.rank])
+    else:  # resumed with another number of workers: fresh, but reproducible, streams
+        torch.manual_seed(spec.seed + ctx.rank + 1000 * state["step"])
+    return state["history"]
+
+
+def _save(ctx: Context, spec: _Spec, step: int, parts: dict[str, Any], history: dict) -> None:
+    rng = ctx.comm.all_gather_object(torch.get_rng_state())
+    if not ctx.is_main:
+        return
+    schedule = parts["schedule"]
+    state = {
+        "format": 1,
+        "step": step,
+        "mode": str(spec.mode),
+        "model": {k: v.detach().cpu() for k, v in parts["model"].state_dict().items()},
+        "optimizer": parts["optimizer"].state_dict(),
+        "schedule": schedule.state_dict() if schedule is not None else None,
+        "data": parts["order"].state_dict(),
+        "rng": rng,
+        "history": history,
+    }
+    _checkpoint.save(spec.checkpoint, step, state)  # type: ignore[arg-type]
+
+
 def _sync_loop(ctx: Context, spec: _Spec) -> dict[str, Any] | None:
     torch.manual_seed(spec.seed + ctx.rank)
     # Always a private copy: tensors sent to local workers travel through shared memory, so
@@ -355,14 +464,28 @@ def _sync_loop(ctx: Context, spec: _Spec) -> dict[str, Any] | None:
     opt = spec.optimizer(model.parameters())
     schedule = spec.lr_schedule(opt) if spec.lr_schedule is not None else None
     to_device = functools.partial(map_batch, lambda t: t.to(ctx.device))
-    order = global_batches(num_samples(spec.data), spec.batch_size, spec.shuffle, spec.seed)
-    losses, tower_losses, skipped = [], [], []
-    samples = 0
+    order = BatchOrder(num_samples(spec.data), spec.batch_size, spec.shuffle, spec.seed)
+    parts = {"model": model, "optimizer": opt, "schedule": schedule, "order": order}
+    history: dict[str, Any] = {
+        "losses": [],
+        "tower_losses": [],
+        "skipped": [],
+        "samples": 0,
+        "seconds": 0.0,
+    }
+    first = 0
+    if spec.resume is not None:
+        # A private copy, as for the model: optimizer state loaded from shared tensors would
+        # be shared, and updated, by every worker.
+        history = _restore(ctx, spec, copy.deepcopy(spec.resume), parts)
+        first = spec.resume["step"]
+    losses, tower_losses, skipped = history["losses"], history["tower_losses"], history["skipped"]
+    samples = history["samples"]
     reporter = _Reporter(spec, ctx)
     ctx.barrier()
     start = time.perf_counter()
     try:
-        for step in range(spec.steps):
+        for step in range(first, spec.steps):
             mine = split(next(order), ctx.world_size)[ctx.rank]
             micro = [m for m in split(mine, spec.accumulate) if len(m)]
             for m in micro[:-1]:
@@ -379,18 +502,27 @@ def _sync_loop(ctx: Context, spec: _Spec) -> dict[str, Any] | None:
             tower_losses.append(r.tower_losses)
             if r.skipped:
                 skipped.append((step, r.culprits))
-            reporter.step(step, r.loss, r.tower_losses, samples / (time.perf_counter() - start))
+            elapsed = time.perf_counter() - start
+            reporter.step(step, r.loss, r.tower_losses, r.samples * (step + 1 - first) / elapsed)
+            done = step + 1
+            if spec.checkpoint is not None and (
+                done % spec.checkpoint_every == 0 or done == spec.steps
+            ):
+                history["samples"] = samples
+                history["seconds"] += time.perf_counter() - start
+                start = time.perf_counter()
+                _save(ctx, spec, done, parts, history)
     finally:
         reporter.close()
-    seconds = time.perf_counter() - start
+    history["seconds"] += time.perf_counter() - start
     if not (ctx.is_main or spec.every_rank):
         return None
     return {
         "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "losses": losses,
         "tower_losses": tower_losses,
-        "skipped": skipped,
+        "skipped": [tuple(s) for s in skipped],
         "steps": spec.steps,
         "samples": samples,
-        "seconds": seconds,
+        "seconds": history["seconds"],
     }

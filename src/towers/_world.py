@@ -122,6 +122,9 @@ def _worker_main(
     conn: multiprocessing.connection.Connection,
     args: tuple[Any, ...],
 ) -> None:
+    # The forkserver's environment is the caller's as it was when the server started: give the
+    # worker the caller's environment as it is now, plus the launcher's variables.
+    os.environ.clear()
     os.environ.update(env)
     set_worker_threads(int(env["LOCAL_WORLD_SIZE"]))
     try:
@@ -221,7 +224,7 @@ def spawn(
     try:
         for rank in range(workers):
             recv, send = ctx.Pipe(duplex=False)
-            env = worker_env(rank, workers, addr, port)
+            env = {**os.environ, **worker_env(rank, workers, addr, port)}
             p = ctx.Process(target=_worker_main, args=(fn, env, send, args), daemon=True)
             p.start()
             send.close()

@@ -1,0 +1,138 @@
+"""Checkpoints: atomic files, exact resume, fallback past a damaged file, automatic restarts."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_close_lists, assert_same_parameters, make_net, mse, regression_data
+
+import towers
+from towers import _checkpoint
+
+ADAM = functools.partial(torch.optim.Adam, lr=0.05)
+DECAY = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.7)
+DATA = regression_data(23)  # batches of 5: 5 per epoch, the last of 3 samples
+
+
+def run(steps, workers=2, **kwargs):
+    return towers.train(
+        make_net(),
+        mse,
+        DATA,
+        batch_size=5,
+        steps=steps,
+        workers=workers,
+        optimizer=ADAM,
+        lr_schedule=DECAY,
+        seed=11,
+        progress=False,
+        **kwargs,
+    )
+
+
+def assert_same_run(a, b, same_towers=True):
+    assert_close_lists(a.losses, b.losses, rtol=1e-6)
+    if same_towers:
+        for got, expected in zip(a.tower_losses, b.tower_losses, strict=True):
+            assert_close_lists(got, expected, rtol=1e-6)
+    assert a.skipped == b.skipped and a.steps == b.steps and a.samples == b.samples
+    assert_same_parameters(a.model, b.model, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(90)
+def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path):
+    whole = run(12)
+    # 7 steps (mid-epoch), then resume to 12 with another number of workers
+    first = run(7, checkpoint=tmp_path, checkpoint_every=3)
+    assert [s for s, _ in _checkpoint.checkpoint_files(tmp_path)] == [7, 6]
+    resumed = run(12, workers=3, checkpoint=tmp_path, checkpoint_every=3)
+    assert resumed.steps == 12 and len(resumed.losses) == 12
+    assert_close_lists(first.losses, whole.losses[:7], rtol=1e-6)
+    assert_same_run(resumed, whole, same_towers=False)
+    assert [len(t) for t in resumed.tower_losses] == [2] * 7 + [3] * 5
+    # a finished run asked again returns its result without training
+    again = run(12, checkpoint=tmp_path)
+    assert_same_run(again, resumed)
+
+
+@pytest.mark.timeout(90)
+def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path):
+    whole = run(10)
+    run(6, checkpoint=tmp_path, checkpoint_every=2)
+    newest = tmp_path / "step-00000006.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a crash mid-copy
+    with pytest.warns(RuntimeWarning, match="step-00000006.pt cannot be read"):
+        resumed = run(10, checkpoint=tmp_path, checkpoint_every=2)
+    assert_same_run(resumed, whole)
+
+
+def test_checkpoints_hold_no_arbitrary_objects(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo should never run",))
+
+    torch.save({"step": 3, "evil": Payload()}, tmp_path / "step-00000003.pt")
+    with (
+        pytest.warns(RuntimeWarning, match="cannot be read"),
+        pytest.raises(RuntimeError, match=r"no checkpoint .* can be read"),
+    ):
+        _checkpoint.load_latest(tmp_path)
+
+
+def test_checkpoint_mismatch_is_refused(tmp_path):
+    run(3, workers=1, checkpoint=tmp_path)
+    with pytest.raises(ValueError, match="made with batch_size=5, this run has batch_size=4"):
+        towers.train(
+            make_net(), mse, DATA, batch_size=4, steps=6, workers=1, seed=11, checkpoint=tmp_path
+        )
+    with pytest.raises(ValueError, match="at step 3, beyond steps=2"):
+        run(2, workers=1, checkpoint=tmp_path)
+
+
+def mse_dying_once(model, shard, marker: str, at_call: int):
+    """Rank 1 kills itself at its ``at_call``-th loss, the first time only."""
+    mse_dying_once.calls = getattr(mse_dying_once, "calls", 0) + 1
+    if os.environ.get("RANK") == "1" and mse_dying_once.calls == at_call:
+        path = Path(marker)
+        if not path.exists():
+            path.write_text("died once")
+            os.kill(os.getpid(), signal.SIGKILL)
+    return mse(model, shard)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("with_dir", [True, False])
+def test_max_restarts_resumes_after_a_crash(tmp_path, with_dir):
+    whole = run(10)
+    loss = functools.partial(mse_dying_once, marker=str(tmp_path / "marker"), at_call=7)
+    checkpoint = tmp_path / "ckpt" if with_dir else None
+    with pytest.warns(RuntimeWarning, match=r"WorkerError.*restart 1 of 2"):
+        result = towers.train(
+            make_net(),
+            loss,
+            DATA,
+            batch_size=5,
+            steps=10,
+            workers=2,
+            optimizer=ADAM,
+            lr_schedule=DECAY,
+            seed=11,
+            progress=False,
+            checkpoint=checkpoint,
+            checkpoint_every=4,
+            max_restarts=2,
+        )
+    assert (tmp_path / "marker").exists() and result.restarts == 1
+    assert_same_run(result, whole)
+
+
+@pytest.mark.timeout(60)
+def test_without_restarts_the_crash_is_reported(tmp_path):
+    loss = functools.partial(mse_dying_once, marker=str(tmp_path / "marker"), at_call=2)
+    with pytest.raises(towers.WorkerError, match="worker 1"):
+        towers.train(make_net(), loss, DATA, batch_size=5, steps=5, workers=2, progress=False)
