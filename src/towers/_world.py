@@ -244,7 +244,7 @@ def _collect(
     failure_grace: float,
 ) -> list[Any]:
     results: dict[int, Any] = {}
-    failure: BaseException | None = None
+    failures: list[tuple[str, BaseException]] = []
     deadline = None if timeout is None else time.monotonic() + timeout
     stop_at = None  # set once a worker failed: the others get failure_grace seconds
     pending = dict(enumerate(conns))
@@ -270,8 +270,8 @@ def _collect(
             if status == "ok":
                 results[rank] = rest[0]
                 continue
-            if failure is None:
-                failure = _failure(rank, proc, status, rest)
+            failures.append((status, _failure(rank, proc, status, rest)))
+            if stop_at is None:
                 stop_at = time.monotonic() + failure_grace
         now = time.monotonic()
         if deadline is not None and now >= deadline and pending:
@@ -280,8 +280,11 @@ def _collect(
             )
         if stop_at is not None and now >= stop_at:
             break
-    if failure is not None:
-        raise failure
+    if failures:
+        # A worker that died takes the others' collectives down with it ("connection reset by
+        # peer"), and their errors may arrive first: the death is the cause to report.
+        died = [exc for status, exc in failures if status == "died"]
+        raise died[0] if died else failures[0][1]
     return [results[r] for r in range(len(procs))]
 
 
