@@ -7,7 +7,7 @@ the same plus a sample-weighted average of the gradients over all towers.
 
 Run it, unchanged, any of these ways::
 
-    towers run -n 2 examples/own_loop.py
+    towers run examples/own_loop.py -n 2
     torchrun --nproc-per-node 2 examples/own_loop.py
     python examples/own_loop.py                 # a single tower
 
