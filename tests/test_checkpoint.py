@@ -136,3 +136,38 @@ def test_without_restarts_the_crash_is_reported(tmp_path):
     loss = functools.partial(mse_dying_once, marker=str(tmp_path / "marker"), at_call=2)
     with pytest.raises(towers.WorkerError, match="worker 1"):
         towers.train(make_net(), loss, DATA, batch_size=5, steps=5, workers=2, progress=False)
+
+
+@pytest.mark.timeout(120)
+def test_own_loop_resumes_under_torchrun_max_restarts(tmp_path):
+    import subprocess
+    import sys
+
+    from towers._world import free_port
+
+    scripts = Path(__file__).parent / "scripts"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", "1", "--master-port", str(free_port())]
+    cmd += [str(scripts / "restarting_loop.py"), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": src}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "died").read_text() == "rank 1 died at step 5"
+    # the restarted ranks resumed from the checkpoint of step 4, not from the start
+    assert (tmp_path / "log").read_text() == "started at 4\n"
+
+    sys.path.insert(0, str(scripts))
+    try:
+        import restarting_loop as script
+    finally:
+        sys.path.remove(str(scripts))
+    reference = script.build_model()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for batch in script.global_batches():
+        opt.zero_grad()
+        script.loss_fn(reference, batch).backward()
+        opt.step()
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for name, p in reference.state_dict().items():
+        torch.testing.assert_close(final[name], p, rtol=1e-5, atol=1e-6)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _checkpoint
 from ._comm import Comm, DistComm, LocalComm
 from ._split import batch_size, map_batch, split
 from ._sync import DEFAULT_BUCKET_BYTES, GradientSync, StepResult, broadcast_module
@@ -162,6 +163,59 @@ class Context:
         self._shard_samples = None
         self.steps += 1
         return result
+
+    def save_checkpoint(
+        self,
+        directory: str | os.PathLike[str],
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: Any = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Save the training state of ``step`` (steps done) to ``directory``; call on every rank.
+
+        Rank 0 writes ``step-NNNNNNNN.pt`` atomically (temporary file, then rename) with the
+        model, optimizer and schedule state, every rank's RNG state and ``extra`` (tensors and
+        plain values only); the two newest checkpoints are kept.
+        """
+        rng = self.comm.all_gather_object(torch.get_rng_state())
+        if not self.is_main:
+            return
+        state = {
+            "format": 1,
+            "step": step,
+            "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "optimizer": optimizer.state_dict(),
+            "schedule": schedule.state_dict() if schedule is not None else None,
+            "rng": rng,
+            "extra": extra or {},
+        }
+        _checkpoint.save(directory, step, state)
+
+    def load_checkpoint(
+        self,
+        directory: str | os.PathLike[str],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: Any = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Restore the newest readable checkpoint in ``directory``; call on every rank.
+
+        Returns:
+            ``(step, extra)``: the steps already done (0 and ``{}`` if there is no checkpoint,
+            so a fresh start and a restart share one code path).
+        """
+        state = _checkpoint.load_latest(directory)
+        if state is None:
+            return 0, {}
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if schedule is not None and state["schedule"] is not None:
+            schedule.load_state_dict(state["schedule"])
+        if len(state["rng"]) == self.world_size:
+            torch.set_rng_state(state["rng"][self.rank])
+        return state["step"], state["extra"]
 
     def barrier(self) -> None:
         self.comm.barrier()

@@ -346,8 +346,8 @@ def _loopback_store(addr: str, port: int, rank: int, world: int, timeout: timede
 def init_process_group(backend: str | None = None, timeout: float | None = None) -> Any:
     """Initialise the default process group from the launcher's environment.
 
-    Under torchrun the launcher's store is used (env://). A job of our own on a loopback
-    ``MASTER_ADDR`` gets a store that listens on loopback only.
+    Under torchrun the agent's store is used, one key space per restart attempt. A job of our
+    own on a loopback ``MASTER_ADDR`` gets a store that listens on loopback only.
     """
     if dist.is_initialized():
         return dist.group.WORLD
@@ -357,11 +357,18 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": wait}
     if backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    addr = os.environ["MASTER_ADDR"]
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    if _is_loopback(addr) and not under_torchrun:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = _loopback_store(addr, int(os.environ["MASTER_PORT"]), rank, world, wait)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent hosts the store. After a restart (--max-restarts) the keys of the
+        # failed attempt can still be there, and Gloo would dial the dead workers' addresses:
+        # keep each attempt's keys apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        client = dist.TCPStore(addr, port, world, False, wait)
+        store = dist.PrefixStore(f"towers/attempt_{attempt}", client)
+        dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
+    elif _is_loopback(addr):
+        store = _loopback_store(addr, port, rank, world, wait)
         dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
     else:
         dist.init_process_group(init_method="env://", **kwargs)
