@@ -228,3 +228,18 @@ def test_backup_drops_the_straggler_late_shards():
     used = [sum(math.isfinite(losses[t]) for losses in r.tower_losses) for t in range(4)]
     assert used[1] <= 6 and min(used[t] for t in (0, 2, 3)) >= 30
     assert 1 in {t for _, t in r.dropped}
+
+
+@pytest.mark.timeout(90)
+def test_compare_prints_every_mode_with_and_without_the_straggler(tmp_path, capsys):
+    from towers._cli import main
+
+    png = tmp_path / "loss.png"
+    argv = ["compare", "-n", "2", "--steps", "15", "--modes", "sync,async", "--out", str(png)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("sync ", "async "))]
+    assert [(r[0], r[1]) for r in rows] == [("sync", "-"), ("sync", "3x"), ("async", "-"),
+                                            ("async", "3x")]  # fmt: skip
+    assert [int(r[2]) for r in rows] == [15, 15, 30, 30]  # updates: async one per shard
+    assert "updates/s relative to sync" in out and png.stat().st_size > 0
