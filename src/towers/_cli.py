@@ -1,8 +1,9 @@
-"""The ``towers`` command: ``towers demo``, ``towers run``."""
+"""The ``towers`` command: ``towers demo``, ``towers compare``, ``towers run``."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     data = parabola_data()
     runs: list[tuple[str, int]] = [("sync", 1), ("sync", args.workers)]
+    # The asynchronous rows (one more process: the parameter server) train fewer steps to keep
+    # the demo under a minute on two cores; their table rows say how many.
+    runs += [(m, args.workers) for m in ASYNC_DEMO_MODES if args.workers > 1 or m != "backup:1"]
     results: list[TrainResult] = []
     print(
         f"towers demo: the parabola y = x^2 (1-5-1 tanh net, 50 points, SGD lr 0.01), "
@@ -31,7 +35,7 @@ def _demo(args: argparse.Namespace) -> int:
             parabola_loss,
             data,
             batch_size=50,
-            steps=args.steps,
+            steps=args.steps if mode == "sync" else min(args.steps, args.async_steps),
             workers=workers,
             mode=mode,
             shuffle=False,
@@ -40,11 +44,20 @@ def _demo(args: argparse.Namespace) -> int:
         )
         results.append(result)
 
-    print(f"\n{'mode':<8}{'workers':>8}{'final loss':>14}{'steps':>8}{'seconds':>10}")
+    print(
+        f"\n{'mode':<10}{'workers':>8}{'final loss':>14}{'steps':>8}{'seconds':>10}"
+        f"{'updates':>9}{'staleness':>11}{'max':>5}"
+    )
     for r in results:
-        print(f"{r.mode:<8}{r.workers:>8}{r.losses[-1]:>14.6f}{r.steps:>8}{r.seconds:>10.2f}")
+        stale = sum(r.staleness) / len(r.staleness) if r.staleness else 0.0
+        print(
+            f"{r.mode:<10}{r.workers:>8}{r.losses[-1]:>14.6f}{r.steps:>8}{r.seconds:>10.2f}"
+            f"{r.updates:>9}{stale:>11.2f}{max(r.staleness, default=0):>5}"
+        )
     base = results[0].losses
     for r in results[1:]:
+        if r.mode != "sync":
+            continue
         gap = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r.losses, base))
         print(
             f"\n{r.mode}, {r.workers} workers vs 1 worker: largest relative loss difference "
@@ -52,6 +65,40 @@ def _demo(args: argparse.Namespace) -> int:
         )
     path = _plot(results, Path(args.out))
     print(f"\nloss curves: {path}")
+    return 0
+
+
+ASYNC_DEMO_MODES = ("async", "ssp:2", "local:4", "backup:1")
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from ._compare import compare
+    from ._modes import parse_mode
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        parse_mode(m)
+    if args.factor < 1:
+        print(f"towers compare: --factor must be >= 1, got {args.factor}", file=sys.stderr)
+        return 2
+    if not 0 <= args.straggler < args.workers:
+        print(
+            f"towers compare: --straggler must be a tower in 0..{args.workers - 1}",
+            file=sys.stderr,
+        )
+        return 2
+    compare(
+        args.problem,
+        workers=args.workers,
+        steps=args.steps,
+        modes=modes,
+        straggler=args.straggler,
+        factor=args.factor,
+        target=args.target,
+        seed=args.seed,
+        out=args.out,
+        print_fn=functools.partial(print, flush=True),
+    )
     return 0
 
 
@@ -103,11 +150,41 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train the parabola with 1 and N local workers")
     demo.add_argument("-n", "--workers", type=int, default=4, help="workers (default 4)")
     demo.add_argument("--steps", type=int, default=2000, help="global batches (default 2000)")
+    demo.add_argument(
+        "--async-steps",
+        type=int,
+        default=500,
+        help="global batches for the asynchronous rows (default 500)",
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
         "--out", default="towers-demo/loss.png", help="PNG of the loss curves (default %(default)s)"
     )
     demo.set_defaults(func=_demo)
+
+    cmp = sub.add_parser(
+        "compare",
+        help="train one problem in every mode, with and without a straggler",
+        description="Train the same problem in every mode without and with one slowed tower; "
+        "print mode, updates, final loss, time to a target loss, staleness and updates/s, and "
+        "write a PNG of loss against wall time.",
+    )
+    cmp.add_argument("--problem", choices=["parabola", "digits"], default="parabola")
+    cmp.add_argument("-n", "--workers", type=int, default=4, help="computing towers (default 4)")
+    cmp.add_argument("--steps", type=int, default=None, help="global batches per run")
+    cmp.add_argument(
+        "--modes", default="sync,async,ssp:2,local:4,backup:1", help="comma-separated modes"
+    )
+    cmp.add_argument("--straggler", type=int, default=1, help="the slowed tower (default 1)")
+    cmp.add_argument("--factor", type=float, default=3.0, help="its slowdown (default 3)")
+    cmp.add_argument(
+        "--target", type=float, default=None, help="loss target (default 1.1 x sync's last)"
+    )
+    cmp.add_argument("--seed", type=int, default=0)
+    cmp.add_argument(
+        "--out", default="towers-compare/loss.png", help="PNG path (default %(default)s)"
+    )
+    cmp.set_defaults(func=_compare)
 
     run = sub.add_parser(
         "run",
@@ -137,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "run" and (unknown or script_args):
         parser.error(f"unrecognized arguments: {' '.join(unknown + script_args)}")
     args.script_args = unknown + script_args
-    for name in ("workers", "nproc", "steps"):
+    for name in ("workers", "nproc", "steps", "async_steps"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             print(f"towers {args.command}: --{name} must be >= 1, got {value}", file=sys.stderr)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "DistComm", "LocalComm", "Work"]
+__all__ = ["Comm", "DistComm", "LocalComm", "PointToPoint", "Work"]
 
 
 class Work(Protocol):
@@ -39,6 +39,25 @@ class Comm(Protocol):
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
     def barrier(self) -> None: ...
+
+
+class PointToPoint(Protocol):
+    """Messages between two ranks (the parameter server's transport); see :class:`DistComm`."""
+
+    rank: int
+    world_size: int
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        """Start sending ``tensor`` to ``dst``; keep it unchanged until ``wait()`` returns."""
+        ...
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Receive into ``tensor`` from ``src``; raises if ``src`` died (its connection closed)."""
+        ...
+
+    def send_object(self, obj: Any, dst: int) -> None: ...
+
+    def recv_object(self, src: int) -> Any: ...
 
 
 class LocalComm:
@@ -83,3 +102,19 @@ class DistComm:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        work = dist.isend(tensor, dst, group=self.group)
+        assert work is not None
+        return work
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        dist.recv(tensor, src, group=self.group)
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        dist.send_object_list([obj], dst, group=self.group)
+
+    def recv_object(self, src: int) -> Any:
+        out: list[Any] = [None]
+        dist.recv_object_list(out, src, group=self.group)
+        return out[0]

@@ -56,10 +56,18 @@ class TrainResult:
         steps: global batches trained on.
         samples: samples trained on (all towers, all steps).
         seconds: wall time of the training loop, excluding process start-up.
-        staleness: asynchronous modes: one entry per applied update; empty in sync mode.
+        staleness: asynchronous modes: one entry per applied update (updates the server applied
+            between a worker's pull and the arrival of its gradient; ``local:K``: the worker's
+            steps since the last average); empty in sync mode.
         mode: the mode trained in.
-        workers: the number of towers.
+        workers: the number of (computing) towers.
         restarts: how many times the workers were relaunched after a failure.
+        times: per step, seconds from the start until its loss was complete (for plots of loss
+            against wall time).
+        ahead: ``async`` and ``ssp:S``: per pull, how many results the pulling worker had sent
+            beyond the slowest live worker (``ssp:S`` keeps it <= S).
+        dropped: ``backup:B``: ``(step, tower)`` for each late shard left out of its step.
+        dead_workers: towers that died during training (their shards went to the others).
     """
 
     model: nn.Module
@@ -73,6 +81,17 @@ class TrainResult:
     mode: str = "sync"
     workers: int = 1
     restarts: int = 0
+    times: list[float] = field(default_factory=list)
+    ahead: list[int] = field(default_factory=list)
+    dropped: list[tuple[int, int]] = field(default_factory=list)
+    dead_workers: list[int] = field(default_factory=list)
+
+    @property
+    def updates(self) -> int:
+        """Parameter updates applied (sync: steps not skipped)."""
+        if self.mode == "sync":
+            return self.steps - len(self.skipped)
+        return len(self.staleness)
 
     @property
     def samples_per_second(self) -> float:
@@ -104,6 +123,7 @@ class _Spec:
     checkpoint: str | None
     checkpoint_every: int
     every_rank: bool  # every rank returns the result (launched jobs), not only rank 0
+    straggle: dict[int, float] = field(default_factory=dict)  # tower -> slowdown factor
     resume: dict[str, Any] | None = None  # the checkpoint to start from, read by the caller
 
 
@@ -184,6 +204,7 @@ def train(
     timeout: float | None = None,
     checkpoint_every: int = 100,
     max_restarts: int = 0,
+    straggle: dict[int, float] | None = None,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -195,9 +216,14 @@ def train(
     ``batch_size`` only, exactly as a ``DataLoader(data, batch_size, shuffle=shuffle,
     generator=torch.Generator().manual_seed(seed))`` yields them.
 
-    Workers are local processes (Gloo over 127.0.0.1, a free port); ``workers=1`` trains in this
-    process. Called in a process started by ``torchrun`` or ``towers run``, every rank calls
-    ``train`` and the launched processes are the workers.
+    In the asynchronous modes a parameter server (one more process, rank 0) owns the parameters
+    and the optimizer and hands out shards on request; ``workers`` counts the computing towers.
+    See docs/async.md.
+
+    Workers are local processes (Gloo over 127.0.0.1, a free port); ``workers=1`` in sync mode
+    trains in this process. Called in a process started by ``torchrun`` or ``towers run``, every
+    rank calls ``train`` and the launched processes are the workers (plus the server, rank 0, in
+    the asynchronous modes).
 
     Args:
         model: the module to train; copied to every worker (it is not modified).
@@ -208,10 +234,16 @@ def train(
         steps: global batches to train on; or give ``epochs``.
         epochs: passes over ``data``; or give ``steps``.
         workers: towers (worker processes).
-        mode: ``"sync"``; the asynchronous modes ``"async"``, ``"ssp:S"``, ``"local:K"`` and
-            ``"backup:B"`` are refused until they are available.
+        mode: ``"sync"`` (one averaged update per global batch); ``"async"`` (each shard's
+            gradient applied on arrival); ``"ssp:S"`` (async, no worker more than S results ahead
+            of the slowest live one); ``"local:K"`` (each worker steps its own optimizer;
+            parameters averaged, weighted by samples, every K steps and at the end);
+            ``"backup:B"`` (synchronous; each step applies the first ``workers - B`` shards to
+            arrive and drops the rest). A dead worker does not stop the asynchronous modes.
         optimizer: ``params -> Optimizer``; default SGD with lr 0.01.
-        lr_schedule: ``optimizer -> LRScheduler``, stepped once per global batch.
+        lr_schedule: ``optimizer -> LRScheduler``, stepped once per global batch (in the
+            asynchronous modes: before the first update from global batch k, it is stepped up
+            to k).
         seed: seeds the batch order (and each worker's RNG as ``seed + rank``).
         shuffle: draw a new permutation of ``data`` every epoch.
         checkpoint: a directory for checkpoints (parameters, optimizer and schedule state, data
@@ -223,11 +255,15 @@ def train(
             memory).
         timeout: seconds a worker may wait for the others (rendezvous or a collective) before
             the job fails; default 60. If a worker dies, the others and this call stop at once
-            with a :class:`towers.WorkerError` naming it.
+            with a :class:`towers.WorkerError` naming it (the asynchronous modes go on without
+            it).
         checkpoint_every: steps between checkpoints (one is also written at the end).
         max_restarts: after a failure, relaunch the workers and resume from the last
             checkpoint up to this many times (a temporary directory is used if ``checkpoint``
             is not given).
+        straggle: ``{tower: factor}`` makes those towers take ``factor`` times as long per shard
+            (they sleep ``factor - 1`` times their compute time), in every mode: a straggler for
+            experiments such as ``towers compare``.
 
     Returns:
         A :class:`TrainResult`.
@@ -272,9 +308,9 @@ def train(
         )
     total_steps = steps if steps is not None else epochs * batches_per_epoch(n, batch_size)  # type: ignore[operator]
     parsed = parse_mode(mode)
-    if parsed.name != "sync":
+    if parsed.name != "sync" and (checkpoint is not None or max_restarts):
         raise NotImplementedError(
-            f"mode {mode!r} is not available in this version of towers; use mode='sync'"
+            f"checkpoint= and max_restarts= are available in mode 'sync' only, not {mode!r}"
         )
     if log_dir is not None:
         try:
@@ -288,15 +324,23 @@ def train(
     _check_picklable("model", model, "the model must be picklable (no lambdas or open files)")
 
     launched = launched_env()
+    server = 0 if parsed.name == "sync" else 1  # the parameter server is one more process
     if launched:
         world = int(os.environ["WORLD_SIZE"])
-        if world != workers:
+        if world != workers + server:
             warnings.warn(
-                f"train() runs in a launched job of {world} processes; training with {world} "
-                f"workers, not workers={workers}",
+                f"train() runs in a launched job of {world} processes; training with "
+                f"{world - server} workers, not workers={workers}"
+                + (f" (mode {parsed}: rank 0 is the parameter server)" if server else ""),
                 stacklevel=2,
             )
-        workers = world
+        workers = world - server
+    if parsed.name == "backup" and parsed.arg >= workers:  # type: ignore[operator]
+        raise ValueError(
+            f"mode {parsed} drops {parsed.arg} shards per step but there are only {workers} "
+            f"workers; B must be below workers"
+        )
+    straggle = _check_straggle(straggle, workers)
     spec = _Spec(
         model=model,
         loss_fn=loss_fn,
@@ -315,6 +359,7 @@ def train(
         checkpoint=None if checkpoint is None else os.fspath(checkpoint),
         checkpoint_every=checkpoint_every,
         every_rank=launched,
+        straggle=straggle,
     )
     with torch.random.fork_rng(devices=[]):
         _preflight(spec, workers)
@@ -326,7 +371,7 @@ def train(
         restarts = 0
         while True:
             try:
-                out = _launch(spec, workers, in_process=launched or (workers == 1 and not scratch))
+                out = _launch(spec, workers, launched, isolate=scratch is not None)
                 break
             except Exception as exc:
                 if launched or restarts >= max_restarts:
@@ -346,26 +391,49 @@ def train(
     return TrainResult(model=trained, mode=str(parsed), workers=workers, restarts=restarts, **out)
 
 
-def _launch(spec: _Spec, workers: int, in_process: bool) -> dict[str, Any]:
+def _launch(spec: _Spec, workers: int, launched: bool, isolate: bool) -> dict[str, Any]:
+    """Run the job once: here (a launched job, or one worker) or in local worker processes."""
     # Read in the caller, so that a fallback warning or a mismatch is raised here, and read
     # anew on every attempt, so that a restart continues from the newest checkpoint.
     if spec.checkpoint is not None:
         spec.resume = _checkpoint.load_latest(spec.checkpoint)
         if spec.resume is not None:
             _check_resumable(spec, spec.resume)
-    if in_process:
+    server = 0 if spec.mode.name == "sync" else 1  # the parameter server is one more process
+    if launched or (workers + server == 1 and not isolate):
         with torch.random.fork_rng(devices=[]):
             out = _worker(spec)
     else:
-        out = spawn(_worker, workers, spec)[0]
+        # Computing towers may die without stopping the server (rank 0), whose result counts.
+        tolerate = range(1, workers + 1) if server else ()
+        out = spawn(_worker, workers + server, spec, tolerate=tolerate)[0]
     assert out is not None
+    return out
+
+
+def _check_straggle(straggle: Any, workers: int) -> dict[int, float]:
+    if straggle is None:
+        return {}
+    if not isinstance(straggle, dict):
+        raise TypeError(f"straggle must be a dict {{tower: factor}}, got {type(straggle).__name__}")
+    out = {}
+    for tower, factor in straggle.items():
+        if isinstance(tower, bool) or not isinstance(tower, int) or not 0 <= tower < workers:
+            raise ValueError(f"straggle: {tower!r} is not a tower index in 0..{workers - 1}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+            raise ValueError(f"straggle: tower {tower} has factor {factor!r}; give a number >= 1")
+        out[tower] = float(factor)
     return out
 
 
 def _worker(spec: _Spec) -> dict[str, Any] | None:
     ctx = init(timeout=spec.timeout)
     try:
-        return _sync_loop(ctx, spec)
+        if spec.mode.name == "sync":
+            return _sync_loop(ctx, spec)
+        from .ps import run
+
+        return run(ctx, spec)
     finally:
         ctx.close()
 
@@ -470,6 +538,7 @@ def _sync_loop(ctx: Context, spec: _Spec) -> dict[str, Any] | None:
         "losses": [],
         "tower_losses": [],
         "skipped": [],
+        "times": [],
         "samples": 0,
         "seconds": 0.0,
     }
@@ -480,7 +549,9 @@ def _sync_loop(ctx: Context, spec: _Spec) -> dict[str, Any] | None:
         history = _restore(ctx, spec, copy.deepcopy(spec.resume), parts)
         first = spec.resume["step"]
     losses, tower_losses, skipped = history["losses"], history["tower_losses"], history["skipped"]
-    samples = history["samples"]
+    times = history["times"]
+    samples = first_samples = history["samples"]
+    slow = spec.straggle.get(ctx.rank, 1.0)
     reporter = _Reporter(spec, ctx)
     ctx.barrier()
     start = time.perf_counter()
@@ -488,9 +559,17 @@ def _sync_loop(ctx: Context, spec: _Spec) -> dict[str, Any] | None:
         for step in range(first, spec.steps):
             mine = split(next(order), ctx.world_size)[ctx.rank]
             micro = [m for m in split(mine, spec.accumulate) if len(m)]
+            began = time.perf_counter()
             for m in micro[:-1]:
                 ctx.accumulate(spec.loss_fn(model, to_device(take(spec.data, m))), len(m))
-            if micro:
+            if micro and slow > 1:
+                # A straggler backpropagates without communicating, so that its compute can be
+                # timed and stretched; the step then averages the accumulated gradients.
+                last = to_device(take(spec.data, micro[-1]))
+                ctx.accumulate(spec.loss_fn(model, last), len(micro[-1]))
+                time.sleep((slow - 1) * (time.perf_counter() - began))
+                r = ctx.step(None, opt, 0)
+            elif micro:
                 shard = to_device(take(spec.data, micro[-1]))
                 r = ctx.step(spec.loss_fn(model, shard), opt, len(micro[-1]))
             else:
@@ -503,7 +582,8 @@ def _sync_loop(ctx: Context, spec: _Spec) -> dict[str, Any] | None:
             if r.skipped:
                 skipped.append((step, r.culprits))
             elapsed = time.perf_counter() - start
-            reporter.step(step, r.loss, r.tower_losses, r.samples * (step + 1 - first) / elapsed)
+            times.append(history["seconds"] + elapsed)
+            reporter.step(step, r.loss, r.tower_losses, (samples - first_samples) / elapsed)
             done = step + 1
             if spec.checkpoint is not None and (
                 done % spec.checkpoint_every == 0 or done == spec.steps
@@ -511,6 +591,7 @@ def _sync_loop(ctx: Context, spec: _Spec) -> dict[str, Any] | None:
                 history["samples"] = samples
                 history["seconds"] += time.perf_counter() - start
                 start = time.perf_counter()
+                first_samples = samples
                 _save(ctx, spec, done, parts, history)
     finally:
         reporter.close()
@@ -525,4 +606,5 @@ def _sync_loop(ctx: Context, spec: _Spec) -> dict[str, Any] | None:
         "steps": spec.steps,
         "samples": samples,
         "seconds": history["seconds"],
+        "times": times,
     }

@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -183,6 +183,7 @@ def spawn(
     port: int | None = None,
     timeout: float | None = None,
     failure_grace: float = 5.0,
+    tolerate: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``workers`` local processes and return their results by rank.
 
@@ -194,7 +195,9 @@ def spawn(
     If a worker raises, the same exception is raised here (the worker's traceback attached as a
     note); if one dies (signal or non-zero exit), :class:`WorkerError` names it. Either way the
     other workers get ``failure_grace`` seconds to finish, then are terminated: none is left
-    behind.
+    behind. Ranks in ``tolerate`` may die (a signal, or an exit without a result) without failing
+    the job: their result is ``None`` (the parameter server uses this to survive lost workers).
+    An exception raised in a tolerated rank is still raised here.
 
     Args:
         fn: a module-level function; its return value must be picklable.
@@ -204,6 +207,7 @@ def spawn(
         port: rendezvous port (``MASTER_PORT``); a free one by default.
         timeout: seconds after which all workers are stopped and ``TimeoutError`` is raised.
         failure_grace: seconds the other workers get after one fails.
+        tolerate: ranks allowed to die; their result is ``None``.
 
     Returns:
         ``[fn's result on rank 0, rank 1, ...]``.
@@ -230,7 +234,7 @@ def spawn(
             send.close()
             procs.append(p)
             conns.append(recv)
-        return _collect(procs, conns, timeout, failure_grace)
+        return _collect(procs, conns, timeout, failure_grace, frozenset(tolerate))
     finally:
         _stop(procs)
         for c in conns:
@@ -242,6 +246,7 @@ def _collect(
     conns: list[multiprocessing.connection.Connection],
     timeout: float | None,
     failure_grace: float,
+    tolerate: frozenset[int] = frozenset(),
 ) -> list[Any]:
     results: dict[int, Any] = {}
     failures: list[tuple[str, BaseException]] = []
@@ -269,6 +274,9 @@ def _collect(
             del pending[rank]
             if status == "ok":
                 results[rank] = rest[0]
+                continue
+            if status == "died" and rank in tolerate:
+                results[rank] = None
                 continue
             failures.append((status, _failure(rank, proc, status, rest)))
             if stop_at is None:

@@ -1,0 +1,245 @@
+"""The asynchronous engine: the parameter server's modes, staleness, dead and slow workers.
+
+Multi-process tests spawn one server and 1-4 Gloo workers on 127.0.0.1 (one spawn per test).
+Reference values are computed in the test from plain PyTorch or the sync engine, never typed in.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+import towers
+from towers._problems import Parabola, parabola_data, parabola_loss
+from towers.ps._wire import Kind, Layout, read_header
+from towers.ps.server import _batch_len
+from towers.ps.worker import _Batches
+
+STEPS = 300  # seed 003's parabola: 300 global batches of 50
+
+
+def _train(mode: str, workers: int, **kwargs):
+    torch.manual_seed(0)
+    kwargs.setdefault("steps", STEPS)
+    return towers.train(
+        Parabola(),
+        parabola_loss,
+        parabola_data(),
+        batch_size=50,
+        workers=workers,
+        mode=mode,
+        progress=False,
+        timeout=60,
+        **kwargs,
+    )
+
+
+def _full_loss(model: torch.nn.Module) -> float:
+    with torch.no_grad():
+        return float(parabola_loss(model, parabola_data()))
+
+
+# Faults injected from inside a worker: the loss function runs there; RANK says which tower
+# (tower t is rank t + 1: rank 0 is the server). Module-level so that workers can unpickle them.
+_calls = {"n": 0}
+
+
+def dying_loss(model, shard):
+    """Tower 1 kills itself (SIGKILL, no clean-up) on its 40th shard."""
+    if os.environ.get("RANK") == "2":
+        _calls["n"] += 1
+        if _calls["n"] == 40:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return parabola_loss(model, shard)
+
+
+def nan_loss(model, shard):
+    """Tower 1's 10th shard has a NaN loss (and so NaN gradients)."""
+    loss = parabola_loss(model, shard)
+    if os.environ.get("RANK") == "2":
+        _calls["n"] += 1
+        if _calls["n"] == 10:
+            return loss * math.nan
+    return loss
+
+
+# -- pure parts -------------------------------------------------------------------------------
+
+
+def test_layout_round_trips_values_and_gradients_bit_for_bit():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model(torch.randn(5, 3)).sum().backward()
+    model[1].weight.grad = None  # a parameter without a gradient stays without one
+    layout = Layout(model)
+    msg = layout.new()
+    assert layout.write_grads(msg, model)
+    grads = layout.grads(msg, model)
+    for p, g in zip(model.parameters(), grads):
+        assert (g is None) == (p.grad is None)
+        if g is not None:
+            assert torch.equal(g, p.grad)
+    layout.write_values(msg, model)
+    layout.stamp(msg, Kind.WORK, version=7, step=3, shard=2, samples=13, loss=1.5, payload=1)
+    twin = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    layout.read_values(msg, twin)
+    for a, b in zip(model.state_dict().values(), twin.state_dict().values()):
+        assert torch.equal(a, b)  # num_batches_tracked (int64) included
+    h = read_header(layout, msg)
+    assert (h.kind, h.version, h.step, h.shard, h.samples, h.loss, h.payload) == (
+        Kind.WORK, 7, 3, 2, 13, 1.5, True,
+    )  # fmt: skip
+
+
+def test_layout_reports_non_finite_gradients():
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    model.bias.grad[0] = math.inf
+    assert not Layout(model).write_grads(Layout(model).new(), model)
+
+
+def test_batch_sizes_and_indices_match_the_sync_order():
+    n, bs = 23, 5
+    order = towers._data.global_batches(n, bs, True, 3)
+    expected = [next(order) for _ in range(12)]
+    assert [_batch_len(k, n, bs) for k in range(12)] == [len(b) for b in expected]
+
+    class Spec:
+        data = torch.zeros(n, 1)
+        batch_size, shuffle, seed = bs, True, 3
+
+    batches = _Batches(Spec())
+    for k in [0, 4, 2, 11, 1, 5]:  # out of order, as requeued shards come
+        assert torch.equal(batches.get(k), expected[k])
+
+
+def test_invalid_backup_and_straggle_arguments_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="B must be below workers"):
+        _train("backup:4", 4)
+    with pytest.raises(ValueError, match="not a tower index"):
+        _train("async", 2, straggle={2: 3.0})
+    with pytest.raises(ValueError, match="factor"):
+        _train("async", 2, straggle={1: 0.5})
+
+
+# -- modes ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sync_reference():
+    """Sync in this process: by the sync engine's guarantee, any number of workers matches it."""
+    return _train("sync", 1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "ssp:2", "local:4", "backup:1"])
+def test_each_mode_fits_the_parabola_about_as_well_as_sync(mode, sync_reference):
+    r = _train(mode, 4)
+    sync_loss = _full_loss(sync_reference.model)
+    assert _full_loss(r.model) <= 1.2 * sync_loss
+    assert r.steps == STEPS and len(r.losses) == STEPS and len(r.tower_losses) == STEPS
+    assert all(math.isfinite(x) for x in r.losses)
+    assert not r.skipped and not r.dead_workers
+    if mode == "backup:1":  # one update per step from the first 3 shards of 4, all fresh
+        assert r.staleness == [0] * STEPS
+        assert 37 * STEPS <= r.samples <= 38 * STEPS  # shards of 13, 13, 12, 12: 3 count
+    else:  # one update per shard
+        assert len(r.staleness) == 4 * STEPS and r.samples == 50 * STEPS
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "ssp:0", "local:3"])
+def test_one_worker_trains_exactly_like_sync(mode, sync_reference):
+    """With one tower nothing is stale: the same updates as the sync engine, bit for bit."""
+    sched = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=40, gamma=0.5)
+    opt = functools.partial(torch.optim.SGD, lr=0.02, momentum=0.9)
+    ref = _train("sync", 1, steps=120, lr_schedule=sched, optimizer=opt, accumulate=2)
+    r = _train(mode, 1, steps=120, lr_schedule=sched, optimizer=opt, accumulate=2)
+    for name, value in ref.model.state_dict().items():
+        assert torch.equal(r.model.state_dict()[name], value), name
+    # the sync engine carries losses in the float32 gradient bucket; the server in float64
+    assert r.losses == pytest.approx(ref.losses, rel=1e-6)
+    assert r.staleness == ([0] * 120 if mode != "local:3" else [0, 1, 2] * 40)
+
+
+@pytest.mark.timeout(60)
+def test_ssp_never_exceeds_its_bound_even_with_a_straggler():
+    bound = 2
+    r = _train("ssp:2", 4, straggle={1: 4.0}, steps=100)
+    assert len(r.ahead) == 4 * 100  # one record per pull
+    assert max(r.ahead) == bound  # the straggler makes the bound bite, and it holds
+    assert len(r.staleness) == 4 * 100
+    free = _train("async", 4, straggle={1: 4.0}, steps=100)
+    assert max(free.ahead) > bound  # without the bound, fast workers run further ahead
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "ssp:1", "backup:1"])
+def test_a_killed_worker_does_not_stop_training(mode):
+    torch.manual_seed(0)
+    r = towers.train(
+        Parabola(),
+        dying_loss,
+        parabola_data(),
+        batch_size=50,
+        steps=120,
+        workers=4,
+        mode=mode,
+        progress=False,
+        timeout=60,
+    )
+    assert r.dead_workers == [1]
+    assert r.steps == 120 and all(math.isfinite(x) for x in r.losses)
+    assert all(math.isfinite(t) for t in r.times)  # every step completed
+    assert all(math.isnan(losses[1]) for losses in r.tower_losses[-20:])  # it did no more
+    if mode != "backup:1":  # every shard applied, the dead worker's by the others
+        assert len(r.staleness) == 4 * 120 and r.samples == 50 * 120
+    else:
+        assert len(r.staleness) == 120
+    assert all(torch.isfinite(p).all() for p in r.model.parameters())
+
+
+@pytest.mark.timeout(60)
+def test_a_non_finite_gradient_is_never_applied():
+    torch.manual_seed(0)
+    r = towers.train(
+        Parabola(), nan_loss, parabola_data(), batch_size=50, steps=60, workers=2,
+        mode="async", progress=False, timeout=60,
+    )  # fmt: skip
+    assert len(r.skipped) == 1 and r.skipped[0][1] == [1]
+    step = r.skipped[0][0]
+    assert math.isnan(r.tower_losses[step][1]) and math.isnan(r.losses[step])
+    assert len(r.staleness) == 2 * 60 - 1
+    assert all(torch.isfinite(p).all() for p in r.model.parameters())
+
+
+@pytest.mark.timeout(60)
+def test_backup_drops_the_straggler_late_shards():
+    r = _train("backup:1", 4, straggle={1: 20.0}, steps=60)
+    assert len(r.staleness) == 60 and set(r.staleness) == {0}
+    # steps each tower's shards were part of: the straggler's always arrive too late
+    used = [sum(math.isfinite(losses[t]) for losses in r.tower_losses) for t in range(4)]
+    assert used[1] <= 6 and min(used[t] for t in (0, 2, 3)) >= 30
+    assert 1 in {t for _, t in r.dropped}
+
+
+@pytest.mark.timeout(90)
+def test_compare_prints_every_mode_with_and_without_the_straggler(tmp_path, capsys):
+    from towers._cli import main
+
+    png = tmp_path / "loss.png"
+    argv = ["compare", "-n", "2", "--steps", "15", "--modes", "sync,async", "--out", str(png)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("sync ", "async "))]
+    assert [(r[0], r[1]) for r in rows] == [("sync", "-"), ("sync", "3x"), ("async", "-"),
+                                            ("async", "3x")]  # fmt: skip
+    assert [int(r[2]) for r in rows] == [15, 15, 30, 30]  # updates: async one per shard
+    assert "updates/s relative to sync" in out and png.stat().st_size > 0
