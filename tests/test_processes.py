@@ -157,3 +157,6 @@ def test_towers_run_starts_ranks_and_stops_them_when_one_fails(tmp_path):
     failed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
     assert failed.returncode == 3
     assert "rank 1 failed with exit code 3" in failed.stderr
+    cmd = [sys.executable, "-m", "towers._cli", "run", str(tmp_path / "missing.py"), "-n", "2"]
+    missing = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
+    assert missing.returncode == 2 and "no such script" in missing.stderr

@@ -36,6 +36,11 @@ def call(**overrides):
     return towers.train(kwargs.pop("model"), kwargs.pop("loss_fn"), kwargs.pop("data"), **kwargs)
 
 
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from DATA[0]
+
+
 def returns_vector(model, shard):
     x, y = shard
     return (model(x) - y).square()
@@ -65,6 +70,13 @@ def returns_constant(model, shard):
         ({"data": [1, 2, 3]}, ValueError, "cannot be split along a batch dimension"),
         ({"data": "abc"}, TypeError, "data must be a tensor"),
         ({"data": torch.zeros(0, 3)}, ValueError, "no samples"),
+        ({"data": Stream()}, TypeError, "IterableDataset; towers needs random access"),
+        ({"checkpoint": 3}, TypeError, "checkpoint must be a directory path"),
+        ({"checkpoint": __file__}, ValueError, "exists and is not a directory"),
+        ({"max_restarts": -1}, ValueError, "max_restarts must be an int >= 0"),
+        ({"checkpoint_every": 0}, ValueError, "checkpoint_every must be >= 1"),
+        ({"mode": "async", "max_restarts": 1}, NotImplementedError, "mode 'sync' only"),
+        ({"mode": 3}, TypeError, "mode must be a string"),
         ({"model": "net"}, TypeError, "model must be a torch.nn.Module"),
         ({"model": torch.nn.ReLU()}, ValueError, "no trainable parameters"),
         ({"mode": "fast"}, ValueError, 'unknown mode .*valid modes are "sync", "async"'),

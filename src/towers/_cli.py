@@ -138,6 +138,9 @@ def _run(args: argparse.Namespace) -> int:
     if mode.name != "sync":
         print(f"towers run: mode {args.mode!r} is not available yet; use sync", file=sys.stderr)
         return 2
+    if not Path(args.script).is_file():
+        print(f"towers run: no such script: {args.script}", file=sys.stderr)
+        return 2
     return run_script(args.script, args.nproc, args.script_args, addr=args.addr, port=args.port)
 
 

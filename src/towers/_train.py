@@ -28,7 +28,7 @@ from . import _checkpoint
 from ._context import Context, check_loss, init
 from ._data import BatchOrder, batches_per_epoch, global_batches, num_samples, take
 from ._modes import Mode, parse_mode
-from ._split import map_batch, split
+from ._split import _leaves, map_batch, split
 from ._world import launched_env, spawn
 
 __all__ = ["TrainResult", "train"]
@@ -321,6 +321,8 @@ def train(
             ) from None
     if not isinstance(data, (torch.Tensor, tuple, list, dict)):
         _check_picklable("data", data, "a Dataset must be picklable (no lambdas or open files)")
+    else:
+        _warn_non_finite(data)
     _check_picklable("model", model, "the model must be picklable (no lambdas or open files)")
 
     launched = launched_env()
@@ -409,6 +411,24 @@ def _launch(spec: _Spec, workers: int, launched: bool, isolate: bool) -> dict[st
         out = spawn(_worker, workers + server, spec, tolerate=tolerate)[0]
     assert out is not None
     return out
+
+
+def _warn_non_finite(data: Any) -> None:
+    """Say up front which samples hold NaN or Inf: the steps that meet them will be skipped."""
+    bad = None
+    for _, leaf in _leaves(data):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            rows = ~torch.isfinite(leaf.reshape(len(leaf), -1)).all(dim=1)
+            bad = rows if bad is None else bad | rows
+    if bad is not None and bool(bad.any()):
+        samples = bad.nonzero().flatten().tolist()
+        shown = ", ".join(map(str, samples[:5])) + (", ..." if len(samples) > 5 else "")
+        warnings.warn(
+            f"data holds NaN or Inf in {len(samples)} sample(s) ({shown}); every step whose "
+            "global batch holds one is skipped on all towers and listed in TrainResult.skipped",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _check_straggle(straggle: Any, workers: int) -> dict[int, float]:
