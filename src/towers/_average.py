@@ -138,10 +138,10 @@ def _combine(grads: Sequence[Any], w: Sequence[float]) -> Any:
         return None
     first = present[0][0]
     if isinstance(first, np.ndarray):
-        acc = np.zeros_like(first, dtype=np.result_type(first.dtype, np.float32))
+        total = np.zeros_like(first, dtype=np.result_type(first.dtype, np.float32))
         for g, wi in present:
-            acc += wi * np.asarray(g)
-        return acc.astype(first.dtype, copy=False)
+            total += wi * np.asarray(g)
+        return total.astype(first.dtype, copy=False)
     acc = torch.zeros_like(first)
     for g, wi in present:
         if wi > 0:

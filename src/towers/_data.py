@@ -60,8 +60,9 @@ class BatchOrder:
         self.config = {"samples": n, "batch_size": batch_size, "shuffle": shuffle, "seed": seed}
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
-        self.loader = DataLoader(
-            range(n), batch_size=batch_size, shuffle=shuffle, generator=self.generator
+        indices: Any = range(n)  # a sequence of indices is all DataLoader needs
+        self.loader: DataLoader[Any] = DataLoader(
+            indices, batch_size=batch_size, shuffle=shuffle, generator=self.generator
         )
         self.epoch = -1
         self.index = 0

@@ -9,6 +9,7 @@ so turning a model parallel changes two lines of a training script.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,10 @@ def _devices(devices: int | Sequence[torch.device | str | int]) -> list[torch.de
     if not out:
         raise ValueError("devices is an empty list; give at least one device")
     return out
+
+
+def _to_device(t: Any, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(t).to(device)
 
 
 def make_parallel(
@@ -75,6 +80,6 @@ def make_parallel(
         if batch_size(shard) == 0:
             continue
         if device is not None:
-            shard = map_batch(lambda t, d=device: torch.as_tensor(t).to(d), shard)
+            shard = map_batch(functools.partial(_to_device, device=device), shard)
         outputs.append(fn(**shard))
     return concat(outputs, targets[0])

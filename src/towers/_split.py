@@ -8,6 +8,7 @@ that N towers together compute exactly the full-batch gradient.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -123,8 +124,14 @@ def split(batch: Batch, n: int) -> list[Batch]:
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"n must be an int, got {type(n).__name__}")
-    bounds = shard_bounds(batch_size(batch), n)
-    return [map_batch(lambda t, a=a, b=b: t[a:b], batch) for a, b in bounds]
+    return [
+        map_batch(functools.partial(_rows, start=a, stop=b), batch)
+        for a, b in shard_bounds(batch_size(batch), n)
+    ]
+
+
+def _rows(t: Any, start: int, stop: int) -> Any:
+    return t[start:stop]
 
 
 def concat(outputs: Sequence[Any], device: torch.device | None = None) -> Any:
