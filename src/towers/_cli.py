@@ -7,6 +7,10 @@ import functools
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._train import TrainResult
 
 __all__ = ["main"]
 
@@ -15,7 +19,7 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
 
     from ._problems import Parabola, parabola_data, parabola_loss
-    from ._train import TrainResult, train
+    from ._train import train
 
     data = parabola_data()
     runs: list[tuple[str, int]] = [("sync", 1), ("sync", args.workers)]
@@ -102,32 +106,29 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot(results: Sequence[object], path: Path) -> Path:
-    import matplotlib
+def _plot(results: Sequence[TrainResult], path: Path) -> Path:
+    from ._plot import save_loss_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = ["-", "--", ":", "-."]
-    for i, r in enumerate(results):
-        ax.plot(
-            range(len(r.losses)),  # type: ignore[attr-defined]
-            r.losses,  # type: ignore[attr-defined]
-            styles[i % len(styles)],
-            label=f"{r.mode}, {r.workers} worker{'s' if r.workers > 1 else ''}",  # type: ignore[attr-defined]
+    curves = [
+        (
+            range(len(r.losses)),
+            r.losses,
+            {
+                "linestyle": styles[i % len(styles)],
+                "label": f"{r.mode}, {r.workers} worker{'s' if r.workers > 1 else ''}",
+                "zorder": 3 if r.mode == "sync" else 2,  # the reference stays visible on top
+            },
         )
-    ax.set_yscale("log")
-    ax.set_xlabel("step (global batch)")
-    ax.set_ylabel("mean loss over all towers")
-    ax.set_title("towers demo: parabola fit")
-    ax.legend()
-    ax.grid(True, alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path.resolve()
+        for i, r in enumerate(results)
+    ]
+    return save_loss_plot(
+        curves,
+        path,
+        title="towers demo: parabola fit",
+        xlabel="step (global batch)",
+        ylabel="mean loss over all towers",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ._plot import save_loss_plot
 from ._train import TrainResult, train
 
 __all__ = ["PROBLEMS", "compare"]
@@ -169,27 +170,26 @@ def straggler_summary(runs: Sequence[Run], straggler: int, factor: float) -> lis
 
 
 def plot(runs: Sequence[Run], path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors: dict[str, Any] = {}
-    for run in runs:
-        color = colors.setdefault(run.mode, f"C{len(colors)}")
-        ax.plot(
-            run.result.times, run.result.losses, "--" if run.straggle else "-",
-            color=color, label=run.label, linewidth=1,
-        )  # fmt: skip
-    ax.set_yscale("log")
-    ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("loss per global batch")
-    ax.set_title(f"towers compare: {title}", fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(True, alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path.resolve()
+    colors: dict[str, str] = {}
+    curves = [
+        (
+            run.result.times,
+            run.result.losses,
+            {
+                "linestyle": "--" if run.straggle else "-",
+                "color": colors.setdefault(run.mode, f"C{len(colors)}"),
+                "label": run.label,
+                "linewidth": 1,
+            },
+        )
+        for run in runs
+    ]
+    return save_loss_plot(
+        curves,
+        path,
+        title=f"towers compare: {title}",
+        xlabel="wall time (s)",
+        ylabel="loss per global batch",
+        size=(8, 5),
+        fontsize=9,
+    )

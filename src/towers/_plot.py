@@ -1,0 +1,43 @@
+"""Loss curves as a PNG for the command line (matplotlib's Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["save_loss_plot"]
+
+Curve = tuple[Sequence[float], Sequence[float], dict[str, Any]]  # x, y, ax.plot keywords
+
+
+def save_loss_plot(
+    curves: Sequence[Curve],
+    path: Path,
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    size: tuple[float, float] = (7, 4.5),
+    fontsize: float | None = None,
+) -> Path:
+    """Plot each curve on a log-scaled loss axis, write ``path`` and return it, resolved."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    for xs, ys, style in curves:
+        ax.plot(xs, ys, **style)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=fontsize)
+    ax.legend(fontsize=fontsize and fontsize - 2)
+    ax.grid(True, alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.resolve()
