@@ -20,6 +20,9 @@ answered and what an arriving result does:
 
 A non-finite loss or gradient is never applied: the shard (backup: the step) is reported in
 ``skipped`` with the worker that computed it.
+
+With ``checkpoint=``, the server saves its state every ``checkpoint_every`` completed global
+batches and at the end, and a server built from such a checkpoint goes on from it (``_resume``).
 """
 
 from __future__ import annotations
@@ -27,17 +30,36 @@ from __future__ import annotations
 import collections
 import copy
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import _checkpoint
 from .._data import num_samples
 from .._split import shard_sizes
+from . import _resume
 from ._wire import Header, Kind, Layout, ServerLink, read_header
 
 __all__ = ["Server"]
+
+
+# For tests only: "K:PATH" makes the server kill itself with SIGKILL once K global batches are
+# complete, unless PATH exists (it is created first, so the restarted server goes on). It stands
+# in for a lost server machine, which no loss_fn can simulate: the server computes no loss.
+_KILL_ENV = "TOWERS_PS_TEST_KILL"
+
+
+def _kill_hook() -> tuple[int, Path] | None:
+    value = os.environ.get(_KILL_ENV)
+    if not value:
+        return None
+    at, _, path = value.partition(":")
+    return int(at), Path(path)
 
 
 @dataclass(frozen=True)
@@ -101,8 +123,14 @@ class Server:
         self.samples = 0
         self.start = 0.0
         self.seconds = math.nan
+        self.prior_seconds = 0.0  # training time before this run (resumed from a checkpoint)
+        self.saved = 0  # steps complete at the last checkpoint
+        self.averaged = False  # local: parameters were just averaged (a consistent state)
+        self.kill_at = _kill_hook()
 
-        if self.mode == "backup":
+        if spec.resume is not None:
+            _resume.restore(self, spec.resume, _Shard)
+        if self.mode == "backup" and self.current < self.steps:
             self._open_step()
 
     # -- the loop --------------------------------------------------------------------------
@@ -124,8 +152,13 @@ class Server:
                 elif h.kind == Kind.BYE:
                     self.byes.add(tower)
             self._serve()
+            self._maybe_save()
         self.link.close()
         return self._report()
+
+    def elapsed(self) -> float:
+        """Seconds since this run's loop started (``prior_seconds`` holds earlier runs')."""
+        return time.perf_counter() - self.start
 
     def _finished(self) -> bool:
         return self.final if self.mode == "local" else self.done == self.steps
@@ -135,7 +168,7 @@ class Server:
             self._maybe_average()
         if self._finished():
             if math.isnan(self.seconds):
-                self.seconds = time.perf_counter() - self.start
+                self.seconds = self.prior_seconds + self.elapsed()
             for t in sorted(self.idle):
                 self._send(t, Kind.STOP, payload=True)
             self.idle.clear()
@@ -251,8 +284,26 @@ class Server:
         self.samples += h.samples
 
     def _step_done(self, step: int) -> None:
-        self.times[step] = time.perf_counter() - self.start
+        self.times[step] = self.prior_seconds + self.elapsed()
         self.done += 1
+        if self.kill_at is not None and self.done == self.kill_at[0]:
+            marker = self.kill_at[1]
+            if not marker.exists():
+                marker.write_text(f"server killed after {self.done} global batches")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def _maybe_save(self) -> None:
+        """Checkpoint once ``checkpoint_every`` more global batches are complete, and at the end."""
+        every = self.spec.checkpoint_every
+        if self.spec.checkpoint is None or self.done == self.saved:
+            return
+        if self.mode == "local":  # only right after an average: then no worker holds more
+            if not self.averaged:
+                return
+            self.averaged = False
+        if self.done // every > self.saved // every or self._finished():
+            _checkpoint.save(self.spec.checkpoint, self.done, _resume.snapshot(self))
+            self.saved = self.done
 
     def _apply(self, msgs: list[torch.Tensor], total: int, step: int) -> bool:
         """Apply the summed gradients of ``msgs`` divided by ``total``; False if not finite."""
@@ -327,6 +378,7 @@ class Server:
                     else:  # integer buffers (e.g. BatchNorm's counter): the busiest worker's
                         t.copy_(self.layout.values(heaviest, self.model)[i])
         self.version += 1
+        self.averaged = True
         for t in self.submitted:
             self.idle.add(t)
             self.fresh.add(t)
@@ -354,6 +406,6 @@ class Server:
             "staleness": self.staleness,
             "ahead": self.ahead,
             "dropped": sorted(self.dropped),
-            "dead_workers": sorted(self.dead),
+            "dead_workers": sorted(set(self.dead)),  # a restarted run may lose one again
             "times": self.times,
         }
