@@ -12,7 +12,6 @@ import importlib
 import os
 import pickle
 import shutil
-import sys
 import tempfile
 import time
 import warnings
@@ -28,6 +27,7 @@ from . import _checkpoint
 from ._context import Context, check_loss, init
 from ._data import BatchOrder, batches_per_epoch, global_batches, num_samples, take
 from ._modes import Mode, parse_mode
+from ._report import Reporter
 from ._split import _leaves, map_batch, split
 from ._world import launched_env, spawn
 
@@ -251,8 +251,9 @@ def train(
             resumes from it and ends exactly where an uninterrupted run ends (asynchronous
             modes: the server's checkpoint; every global batch is trained once and training
             goes on from the saved parameters, see docs/async.md).
-        log_dir: write TensorBoard scalars there (needs the ``tensorboard`` package).
-        progress: show a progress bar when stderr is a terminal.
+        log_dir: write TensorBoard scalars there (needs the ``tensorboard`` package); rank 0
+            writes them (the server in the asynchronous modes, which adds ``staleness``).
+        progress: show a progress bar when stderr is a terminal (rank 0's, or the server's).
         accumulate: micro-batches per tower shard (gradient accumulation; same result, less
             memory).
         timeout: seconds a worker may wait for the others (rendezvous or a collective) before
@@ -457,40 +458,6 @@ def _worker(spec: _Spec) -> dict[str, Any] | None:
         ctx.close()
 
 
-class _Reporter:
-    """Progress bar and TensorBoard scalars, on rank 0 only."""
-
-    def __init__(self, spec: _Spec, ctx: Context):
-        self.bar = None
-        self.writer = None
-        if not ctx.is_main:
-            return
-        if spec.progress and sys.stderr.isatty():
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=spec.steps, desc=f"towers {spec.mode}", unit="step")
-        if spec.log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(spec.log_dir)
-
-    def step(self, step: int, loss: float, tower_losses: list[float], rate: float) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4g}", samples_s=f"{rate:.0f}", refresh=False)
-            self.bar.update(1)
-        if self.writer is not None:
-            self.writer.add_scalar("loss/mean", loss, step)
-            for i, value in enumerate(tower_losses):
-                self.writer.add_scalar(f"loss/tower_{i}", value, step)
-            self.writer.add_scalar("samples_per_second", rate, step)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
-
-
 def _check_resumable(spec: _Spec, state: dict[str, Any], workers: int) -> None:
     if state["mode"] != str(spec.mode):
         raise ValueError(
@@ -576,7 +543,7 @@ def _sync_loop(ctx: Context, spec: _Spec) -> dict[str, Any] | None:
     times = history["times"]
     samples = first_samples = history["samples"]
     slow = spec.straggle.get(ctx.rank, 1.0)
-    reporter = _Reporter(spec, ctx)
+    reporter = Reporter(spec, ctx.is_main)
     ctx.barrier()
     start = time.perf_counter()
     try:

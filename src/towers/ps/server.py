@@ -41,6 +41,7 @@ import torch
 
 from .. import _checkpoint
 from .._data import num_samples
+from .._report import Reporter
 from .._split import shard_sizes
 from . import _resume
 from ._wire import Header, Kind, Layout, ServerLink, read_header
@@ -132,11 +133,22 @@ class Server:
             _resume.restore(self, spec.resume, _Shard)
         if self.mode == "backup" and self.current < self.steps:
             self._open_step()
+        # progress bar and TensorBoard: the server holds the record, so it reports
+        self.reporter = Reporter(spec, main=True, initial=self.done)
+        self.first_samples = self.samples  # samples/s counts this run's only
 
     # -- the loop --------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         self.start = time.perf_counter()
+        try:
+            self._loop()
+        finally:
+            self.reporter.close()
+        self.link.close()
+        return self._report()
+
+    def _loop(self) -> None:
         while self.live - self.byes:
             tower, msg = self.link.get()
             if msg is None:
@@ -153,8 +165,6 @@ class Server:
                     self.byes.add(tower)
             self._serve()
             self._maybe_save()
-        self.link.close()
-        return self._report()
 
     def elapsed(self) -> float:
         """Seconds since this run's loop started (``prior_seconds`` holds earlier runs')."""
@@ -245,14 +255,14 @@ class Server:
             if h.bad:
                 self.skipped.setdefault(shard.step, []).append(t)
             else:
-                self.staleness.append(h.aux)
+                self._stale(h.aux)
             if h.payload:
                 self.submitted[t] = (msg, h.weight)
             else:
                 self.idle.add(t)
         else:
             if not h.bad and self._apply([msg], h.samples, shard.step):
-                self.staleness.append(self.version - 1 - pulled)
+                self._stale(self.version - 1 - pulled)
             else:
                 self.skipped.setdefault(shard.step, []).append(t)
             self.idle.add(t)
@@ -284,13 +294,28 @@ class Server:
         self.samples += h.samples
 
     def _step_done(self, step: int) -> None:
-        self.times[step] = self.prior_seconds + self.elapsed()
+        elapsed = self.elapsed()
+        self.times[step] = self.prior_seconds + elapsed
         self.done += 1
+        loss, per_tower = self._step_losses(step)
+        rate = (self.samples - self.first_samples) / elapsed if elapsed > 0 else math.nan
+        self.reporter.step(step, loss, per_tower, rate)
         if self.kill_at is not None and self.done == self.kill_at[0]:
             marker = self.kill_at[1]
             if not marker.exists():
                 marker.write_text(f"server killed after {self.done} global batches")
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def _step_losses(self, step: int) -> tuple[float, dict[int, float]]:
+        """Global batch ``step``'s mean loss, and each tower's where it computed samples."""
+        sums, counts = self.loss_sums[step], self.counts[step]
+        total = sum(counts)
+        per_tower = {t: s / c for t, (s, c) in enumerate(zip(sums, counts)) if c}
+        return (sum(sums) / total if total else math.nan), per_tower
+
+    def _stale(self, value: int) -> None:
+        self.staleness.append(value)
+        self.reporter.staleness(len(self.staleness) - 1, value)
 
     def _maybe_save(self) -> None:
         """Checkpoint once ``checkpoint_every`` more global batches are complete, and at the end."""
@@ -350,7 +375,7 @@ class Server:
         total = sum(h.samples for _, h, _ in self.arrived)
         pulled = min(h.version for _, h, _ in self.arrived)
         if not bad and self._apply([m for _, _, m in self.arrived], total, step):
-            self.staleness.append(self.version - 1 - pulled)
+            self._stale(self.version - 1 - pulled)
         else:
             self.skipped[step] = bad or sorted({t for t, _, _ in self.arrived})
         self._step_done(step)
@@ -390,10 +415,10 @@ class Server:
 
     def _report(self) -> dict[str, Any]:
         losses, tower_losses = [], []
-        for sums, counts in zip(self.loss_sums, self.counts):
-            total = sum(counts)
-            losses.append(sum(sums) / total if total else math.nan)
-            tower_losses.append([s / c if c else math.nan for s, c in zip(sums, counts)])
+        for step in range(self.steps):
+            loss, per_tower = self._step_losses(step)
+            losses.append(loss)
+            tower_losses.append([per_tower.get(t, math.nan) for t in range(self.towers)])
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         return {
             "state_dict": state,
