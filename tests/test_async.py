@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import towers
+from towers._checkpoint import checkpoint_files
 from towers._problems import Parabola, parabola_data, parabola_loss
 from towers.ps._wire import Kind, Layout, read_header
-from towers.ps.server import _batch_len
+from towers.ps.server import _KILL_ENV, _batch_len
 from towers.ps.worker import _Batches
 
 STEPS = 300  # seed 003's parabola: 300 global batches of 50
@@ -204,6 +205,55 @@ def test_a_killed_worker_does_not_stop_training(mode):
     else:
         assert len(r.staleness) == 120
     assert all(torch.isfinite(p).all() for p in r.model.parameters())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["async", "ssp:1", "local:4", "backup:1"])
+def test_a_killed_server_is_resumed_from_its_checkpoint(
+    mode, sync_reference, tmp_path, monkeypatch
+):
+    # The server SIGKILLs itself after 130 global batches, once (the marker file remembers);
+    # the newest checkpoint is then that of batch 100 (local:4: the first average after it).
+    marker = tmp_path / "killed"
+    monkeypatch.setenv(_KILL_ENV, f"130:{marker}")
+    with pytest.warns(RuntimeWarning, match=r"WorkerError: worker 0 .*SIGKILL.*restart 1 of 1"):
+        r = _train(mode, 4, checkpoint=tmp_path / "ckpt", checkpoint_every=50, max_restarts=1)
+    assert marker.exists() and r.restarts == 1
+    # every global batch trained, and recorded, once
+    assert r.steps == STEPS and len(r.losses) == STEPS and len(r.times) == STEPS
+    assert all(math.isfinite(x) for x in r.losses) and all(math.isfinite(t) for t in r.times)
+    assert not r.skipped and not r.dead_workers
+    if mode == "backup:1":
+        assert r.staleness == [0] * STEPS
+    else:
+        assert len(r.staleness) == 4 * STEPS and r.samples == 50 * STEPS
+    # the restarted server went on from the checkpoint's parameters, not from the start
+    assert sum(r.losses[100:105]) / 5 < 0.75 * r.losses[0]
+    assert all(torch.isfinite(p).all() for p in r.model.parameters())
+    assert _full_loss(r.model) <= 1.2 * _full_loss(sync_reference.model)
+
+
+@pytest.mark.timeout(90)
+def test_async_training_continues_from_its_checkpoint(tmp_path):
+    first = _train("async", 2, steps=60, checkpoint=tmp_path, checkpoint_every=25)
+    assert [s for s, _ in checkpoint_files(tmp_path)] == [60, 50]
+    with pytest.raises(ValueError, match="made with workers=2, this run has workers=3"):
+        _train("async", 3, steps=120, checkpoint=tmp_path)
+    more = _train("async", 2, steps=120, checkpoint=tmp_path, checkpoint_every=25)
+    assert len(more.losses) == len(more.tower_losses) == len(more.times) == 120
+    same = functools.partial(torch.testing.assert_close, rtol=0, atol=0, equal_nan=True)
+    same(torch.tensor(more.losses[:60]), torch.tensor(first.losses))
+    same(torch.tensor(more.tower_losses[:60]), torch.tensor(first.tower_losses))
+    assert more.staleness[: 2 * 60] == first.staleness and len(more.staleness) == 2 * 120
+    assert more.samples == 50 * 120 and more.seconds >= first.seconds
+    # the second call went on from the first one's parameters (full batches: a smooth curve)
+    assert more.losses[60] < 1.2 * first.losses[-1] < 0.5 * first.losses[0]
+    assert _full_loss(more.model) < _full_loss(first.model)
+    # a finished run asked again returns its record without training
+    again = _train("async", 2, steps=120, checkpoint=tmp_path)
+    assert again.losses == more.losses and again.staleness == more.staleness
+    for name, value in more.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[name], value), name
 
 
 @pytest.mark.timeout(60)

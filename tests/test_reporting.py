@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import pty
 import struct
@@ -25,7 +26,7 @@ import towers
 from helpers import make_net, mse, regression_data
 if __name__ == "__main__":
     towers.train(make_net(), mse, regression_data(20), batch_size=5, steps=6, workers=2,
-                 progress={progress})
+                 progress={progress}, mode={mode!r})
 """
 
 
@@ -52,11 +53,13 @@ def run_on_terminal(code: str, cwd: Path) -> str:
 
 
 @pytest.mark.timeout(90)
-def test_progress_bar_on_a_terminal_only(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])  # async: the server (rank 0) shows it
+def test_progress_bar_on_a_terminal_only(tmp_path, mode):
     tests = str(Path(__file__).parent)
-    shown = run_on_terminal(PROGRESS.format(tests=tests, progress=True), tmp_path)
-    assert "6/6" in shown and "loss=" in shown and "samples_s=" in shown
-    hidden = run_on_terminal(PROGRESS.format(tests=tests, progress=False), tmp_path)
+    shown = run_on_terminal(PROGRESS.format(tests=tests, progress=True, mode=mode), tmp_path)
+    assert f"towers {mode}" in shown and "6/6" in shown
+    assert "loss=" in shown and "samples_s=" in shown
+    hidden = run_on_terminal(PROGRESS.format(tests=tests, progress=False, mode=mode), tmp_path)
     assert "loss=" not in hidden
 
 
@@ -83,6 +86,42 @@ def test_tensorboard_scalars_match_the_result(tmp_path):
     assert logged == pytest.approx(result.losses, rel=1e-6)
     per_tower = [e.value for e in events.Scalars("loss/tower_1")]
     assert per_tower == pytest.approx([t[1] for t in result.tower_losses], rel=1e-6)
+
+
+def scalars(events, tag: str) -> list[float]:
+    """A tag's values in step order (the server completes global batches out of order)."""
+    return [e.value for e in sorted(events.Scalars(tag), key=lambda e: e.step)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "backup:1"])
+def test_tensorboard_scalars_of_the_asynchronous_modes(tmp_path, mode):
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    result = towers.train(
+        make_net(),
+        mse,
+        regression_data(40),
+        batch_size=8,
+        steps=12,
+        workers=3,
+        mode=mode,
+        log_dir=tmp_path,
+        progress=False,
+    )
+    events = event_accumulator.EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss/mean", "samples_per_second", "staleness"} <= tags
+    assert scalars(events, "loss/mean") == pytest.approx(result.losses, rel=1e-6)
+    for t in range(3):  # logged where the tower computed samples of the batch
+        tag = f"loss/tower_{t}"
+        logged = {e.step: e.value for e in events.Scalars(tag)} if tag in tags else {}
+        expected = {k: v[t] for k, v in enumerate(result.tower_losses) if not math.isnan(v[t])}
+        assert logged == pytest.approx(expected, rel=1e-6)
+    assert scalars(events, "staleness") == result.staleness
+    assert len(events.Scalars("samples_per_second")) == 12
 
 
 @pytest.mark.timeout(120)

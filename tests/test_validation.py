@@ -75,7 +75,6 @@ def returns_constant(model, shard):
         ({"checkpoint": __file__}, ValueError, "exists and is not a directory"),
         ({"max_restarts": -1}, ValueError, "max_restarts must be an int >= 0"),
         ({"checkpoint_every": 0}, ValueError, "checkpoint_every must be >= 1"),
-        ({"mode": "async", "max_restarts": 1}, NotImplementedError, "mode 'sync' only"),
         ({"mode": 3}, TypeError, "mode must be a string"),
         ({"model": "net"}, TypeError, "model must be a torch.nn.Module"),
         ({"model": torch.nn.ReLU()}, ValueError, "no trainable parameters"),
@@ -99,3 +98,13 @@ def returns_constant(model, shard):
 def test_bad_input_is_refused_with_advice(overrides, error, message):
     with pytest.raises(error, match=message):
         call(**overrides)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp:1", "local:2", "backup:1"])
+def test_checkpoints_and_restarts_are_accepted_in_every_mode(mode, tmp_path):
+    # validation lets the job start, and the failed start is retried once
+    with (
+        pytest.warns(RuntimeWarning, match="restart 1 of 1"),
+        pytest.raises(AssertionError, match="a worker process was started"),
+    ):
+        call(mode=mode, checkpoint=tmp_path, max_restarts=1)

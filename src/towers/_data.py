@@ -90,7 +90,8 @@ class BatchOrder:
             "generator": self.generator.get_state(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_config(self, state: dict[str, Any]) -> None:
+        """``ValueError`` unless ``state`` is of this data size, batch_size, shuffle and seed."""
         for key, value in self.config.items():
             if state[key] != value:
                 raise ValueError(
@@ -98,6 +99,9 @@ class BatchOrder:
                     f"{key}={value!r}; resume with the same data, batch_size, shuffle and seed, "
                     "or use another checkpoint directory"
                 )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_config(state)
         self.generator.set_state(state["generator"])
         self.batches = list(state["permutation"].split(self.config["batch_size"]))
         self.epoch, self.index = state["epoch"], state["index"]

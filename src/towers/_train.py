@@ -12,7 +12,6 @@ import importlib
 import os
 import pickle
 import shutil
-import sys
 import tempfile
 import time
 import warnings
@@ -28,6 +27,7 @@ from . import _checkpoint
 from ._context import Context, check_loss, init
 from ._data import BatchOrder, batches_per_epoch, global_batches, num_samples, take
 from ._modes import Mode, parse_mode
+from ._report import Reporter
 from ._split import _leaves, map_batch, split
 from ._world import launched_env, spawn
 
@@ -248,19 +248,23 @@ def train(
         shuffle: draw a new permutation of ``data`` every epoch.
         checkpoint: a directory for checkpoints (parameters, optimizer and schedule state, data
             position, RNG states, and the results so far). If it holds a checkpoint, training
-            resumes from it and ends exactly where an uninterrupted run ends.
-        log_dir: write TensorBoard scalars there (needs the ``tensorboard`` package).
-        progress: show a progress bar when stderr is a terminal.
+            resumes from it and ends exactly where an uninterrupted run ends (asynchronous
+            modes: the server's checkpoint; every global batch is trained once and training
+            goes on from the saved parameters, see docs/async.md).
+        log_dir: write TensorBoard scalars there (needs the ``tensorboard`` package); rank 0
+            writes them (the server in the asynchronous modes, which adds ``staleness``).
+        progress: show a progress bar when stderr is a terminal (rank 0's, or the server's).
         accumulate: micro-batches per tower shard (gradient accumulation; same result, less
             memory).
         timeout: seconds a worker may wait for the others (rendezvous or a collective) before
             the job fails; default 60. If a worker dies, the others and this call stop at once
             with a :class:`towers.WorkerError` naming it (the asynchronous modes go on without
             it).
-        checkpoint_every: steps between checkpoints (one is also written at the end).
-        max_restarts: after a failure, relaunch the workers and resume from the last
-            checkpoint up to this many times (a temporary directory is used if ``checkpoint``
-            is not given).
+        checkpoint_every: global batches completed between checkpoints (one is also written at
+            the end; ``local:K``: at the first average after that).
+        max_restarts: after a failure (asynchronous modes: of the server, or of the whole
+            job), relaunch the workers and resume from the last checkpoint up to this many times
+            (a temporary directory is used if ``checkpoint`` is not given).
         straggle: ``{tower: factor}`` makes those towers take ``factor`` times as long per shard
             (they sleep ``factor - 1`` times their compute time), in every mode: a straggler for
             experiments such as ``towers compare``.
@@ -308,10 +312,6 @@ def train(
         )
     total_steps = steps if steps is not None else epochs * batches_per_epoch(n, batch_size)  # type: ignore[operator]
     parsed = parse_mode(mode)
-    if parsed.name != "sync" and (checkpoint is not None or max_restarts):
-        raise NotImplementedError(
-            f"checkpoint= and max_restarts= are available in mode 'sync' only, not {mode!r}"
-        )
     if log_dir is not None:
         try:
             importlib.import_module("torch.utils.tensorboard")
@@ -400,7 +400,7 @@ def _launch(spec: _Spec, workers: int, launched: bool, isolate: bool) -> dict[st
     if spec.checkpoint is not None:
         spec.resume = _checkpoint.load_latest(spec.checkpoint)
         if spec.resume is not None:
-            _check_resumable(spec, spec.resume)
+            _check_resumable(spec, spec.resume, workers)
     server = 0 if spec.mode.name == "sync" else 1  # the parameter server is one more process
     if launched or (workers + server == 1 and not isolate):
         with torch.random.fork_rng(devices=[]):
@@ -458,49 +458,20 @@ def _worker(spec: _Spec) -> dict[str, Any] | None:
         ctx.close()
 
 
-class _Reporter:
-    """Progress bar and TensorBoard scalars, on rank 0 only."""
-
-    def __init__(self, spec: _Spec, ctx: Context):
-        self.bar = None
-        self.writer = None
-        if not ctx.is_main:
-            return
-        if spec.progress and sys.stderr.isatty():
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=spec.steps, desc=f"towers {spec.mode}", unit="step")
-        if spec.log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(spec.log_dir)
-
-    def step(self, step: int, loss: float, tower_losses: list[float], rate: float) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4g}", samples_s=f"{rate:.0f}", refresh=False)
-            self.bar.update(1)
-        if self.writer is not None:
-            self.writer.add_scalar("loss/mean", loss, step)
-            for i, value in enumerate(tower_losses):
-                self.writer.add_scalar(f"loss/tower_{i}", value, step)
-            self.writer.add_scalar("samples_per_second", rate, step)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
-
-
-def _check_resumable(spec: _Spec, state: dict[str, Any]) -> None:
-    BatchOrder(num_samples(spec.data), spec.batch_size, spec.shuffle, spec.seed).load_state_dict(
-        state["data"]
-    )
+def _check_resumable(spec: _Spec, state: dict[str, Any], workers: int) -> None:
     if state["mode"] != str(spec.mode):
         raise ValueError(
             f"the checkpoint in {spec.checkpoint} is of a {state['mode']!r} run, this run is "
             f"{str(spec.mode)!r}; use another checkpoint directory"
         )
+    if spec.mode.name == "sync":
+        BatchOrder(
+            num_samples(spec.data), spec.batch_size, spec.shuffle, spec.seed
+        ).load_state_dict(state["data"])
+    else:
+        from .ps import check_resumable
+
+        check_resumable(spec, state, workers)
     if state["step"] > spec.steps:
         raise ValueError(
             f"the checkpoint in {spec.checkpoint} is at step {state['step']}, beyond "
@@ -572,7 +543,7 @@ def _sync_loop(ctx: Context, spec: _Spec) -> dict[str, Any] | None:
     times = history["times"]
     samples = first_samples = history["samples"]
     slow = spec.straggle.get(ctx.rank, 1.0)
-    reporter = _Reporter(spec, ctx)
+    reporter = Reporter(spec, ctx.is_main)
     ctx.barrier()
     start = time.perf_counter()
     try:

@@ -17,11 +17,12 @@ import torch.distributed as dist
 from .._comm import DistComm
 from .._context import Context
 from .._sync import verify_same_model
+from ._resume import check_resumable
 from ._wire import Layout, ServerLink, WorkerLink
 from .server import Server
 from .worker import work
 
-__all__ = ["run"]
+__all__ = ["check_resumable", "run"]
 
 
 def run(ctx: Context, spec: Any) -> dict[str, Any] | None:

@@ -20,6 +20,9 @@ answered and what an arriving result does:
 
 A non-finite loss or gradient is never applied: the shard (backup: the step) is reported in
 ``skipped`` with the worker that computed it.
+
+With ``checkpoint=``, the server saves its state every ``checkpoint_every`` completed global
+batches and at the end, and a server built from such a checkpoint goes on from it (``_resume``).
 """
 
 from __future__ import annotations
@@ -27,17 +30,37 @@ from __future__ import annotations
 import collections
 import copy
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import _checkpoint
 from .._data import num_samples
+from .._report import Reporter
 from .._split import shard_sizes
+from . import _resume
 from ._wire import Header, Kind, Layout, ServerLink, read_header
 
 __all__ = ["Server"]
+
+
+# For tests only: "K:PATH" makes the server kill itself with SIGKILL once K global batches are
+# complete, unless PATH exists (it is created first, so the restarted server goes on). It stands
+# in for a lost server machine, which no loss_fn can simulate: the server computes no loss.
+_KILL_ENV = "TOWERS_PS_TEST_KILL"
+
+
+def _kill_hook() -> tuple[int, Path] | None:
+    value = os.environ.get(_KILL_ENV)
+    if not value:
+        return None
+    at, _, path = value.partition(":")
+    return int(at), Path(path)
 
 
 @dataclass(frozen=True)
@@ -101,14 +124,31 @@ class Server:
         self.samples = 0
         self.start = 0.0
         self.seconds = math.nan
+        self.prior_seconds = 0.0  # training time before this run (resumed from a checkpoint)
+        self.saved = 0  # steps complete at the last checkpoint
+        self.averaged = False  # local: parameters were just averaged (a consistent state)
+        self.kill_at = _kill_hook()
 
-        if self.mode == "backup":
+        if spec.resume is not None:
+            _resume.restore(self, spec.resume, _Shard)
+        if self.mode == "backup" and self.current < self.steps:
             self._open_step()
+        # progress bar and TensorBoard: the server holds the record, so it reports
+        self.reporter = Reporter(spec, main=True, initial=self.done)
+        self.first_samples = self.samples  # samples/s counts this run's only
 
     # -- the loop --------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         self.start = time.perf_counter()
+        try:
+            self._loop()
+        finally:
+            self.reporter.close()
+        self.link.close()
+        return self._report()
+
+    def _loop(self) -> None:
         while self.live - self.byes:
             tower, msg = self.link.get()
             if msg is None:
@@ -124,8 +164,11 @@ class Server:
                 elif h.kind == Kind.BYE:
                     self.byes.add(tower)
             self._serve()
-        self.link.close()
-        return self._report()
+            self._maybe_save()
+
+    def elapsed(self) -> float:
+        """Seconds since this run's loop started (``prior_seconds`` holds earlier runs')."""
+        return time.perf_counter() - self.start
 
     def _finished(self) -> bool:
         return self.final if self.mode == "local" else self.done == self.steps
@@ -135,7 +178,7 @@ class Server:
             self._maybe_average()
         if self._finished():
             if math.isnan(self.seconds):
-                self.seconds = time.perf_counter() - self.start
+                self.seconds = self.prior_seconds + self.elapsed()
             for t in sorted(self.idle):
                 self._send(t, Kind.STOP, payload=True)
             self.idle.clear()
@@ -212,14 +255,14 @@ class Server:
             if h.bad:
                 self.skipped.setdefault(shard.step, []).append(t)
             else:
-                self.staleness.append(h.aux)
+                self._stale(h.aux)
             if h.payload:
                 self.submitted[t] = (msg, h.weight)
             else:
                 self.idle.add(t)
         else:
             if not h.bad and self._apply([msg], h.samples, shard.step):
-                self.staleness.append(self.version - 1 - pulled)
+                self._stale(self.version - 1 - pulled)
             else:
                 self.skipped.setdefault(shard.step, []).append(t)
             self.idle.add(t)
@@ -251,8 +294,41 @@ class Server:
         self.samples += h.samples
 
     def _step_done(self, step: int) -> None:
-        self.times[step] = time.perf_counter() - self.start
+        elapsed = self.elapsed()
+        self.times[step] = self.prior_seconds + elapsed
         self.done += 1
+        loss, per_tower = self._step_losses(step)
+        rate = (self.samples - self.first_samples) / elapsed if elapsed > 0 else math.nan
+        self.reporter.step(step, loss, per_tower, rate)
+        if self.kill_at is not None and self.done == self.kill_at[0]:
+            marker = self.kill_at[1]
+            if not marker.exists():
+                marker.write_text(f"server killed after {self.done} global batches")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def _step_losses(self, step: int) -> tuple[float, dict[int, float]]:
+        """Global batch ``step``'s mean loss, and each tower's where it computed samples."""
+        sums, counts = self.loss_sums[step], self.counts[step]
+        total = sum(counts)
+        per_tower = {t: s / c for t, (s, c) in enumerate(zip(sums, counts)) if c}
+        return (sum(sums) / total if total else math.nan), per_tower
+
+    def _stale(self, value: int) -> None:
+        self.staleness.append(value)
+        self.reporter.staleness(len(self.staleness) - 1, value)
+
+    def _maybe_save(self) -> None:
+        """Checkpoint once ``checkpoint_every`` more global batches are complete, and at the end."""
+        every = self.spec.checkpoint_every
+        if self.spec.checkpoint is None or self.done == self.saved:
+            return
+        if self.mode == "local":  # only right after an average: then no worker holds more
+            if not self.averaged:
+                return
+            self.averaged = False
+        if self.done // every > self.saved // every or self._finished():
+            _checkpoint.save(self.spec.checkpoint, self.done, _resume.snapshot(self))
+            self.saved = self.done
 
     def _apply(self, msgs: list[torch.Tensor], total: int, step: int) -> bool:
         """Apply the summed gradients of ``msgs`` divided by ``total``; False if not finite."""
@@ -299,7 +375,7 @@ class Server:
         total = sum(h.samples for _, h, _ in self.arrived)
         pulled = min(h.version for _, h, _ in self.arrived)
         if not bad and self._apply([m for _, _, m in self.arrived], total, step):
-            self.staleness.append(self.version - 1 - pulled)
+            self._stale(self.version - 1 - pulled)
         else:
             self.skipped[step] = bad or sorted({t for t, _, _ in self.arrived})
         self._step_done(step)
@@ -327,6 +403,7 @@ class Server:
                     else:  # integer buffers (e.g. BatchNorm's counter): the busiest worker's
                         t.copy_(self.layout.values(heaviest, self.model)[i])
         self.version += 1
+        self.averaged = True
         for t in self.submitted:
             self.idle.add(t)
             self.fresh.add(t)
@@ -338,10 +415,10 @@ class Server:
 
     def _report(self) -> dict[str, Any]:
         losses, tower_losses = [], []
-        for sums, counts in zip(self.loss_sums, self.counts):
-            total = sum(counts)
-            losses.append(sum(sums) / total if total else math.nan)
-            tower_losses.append([s / c if c else math.nan for s, c in zip(sums, counts)])
+        for step in range(self.steps):
+            loss, per_tower = self._step_losses(step)
+            losses.append(loss)
+            tower_losses.append([per_tower.get(t, math.nan) for t in range(self.towers)])
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         return {
             "state_dict": state,
@@ -354,6 +431,6 @@ class Server:
             "staleness": self.staleness,
             "ahead": self.ahead,
             "dropped": sorted(self.dropped),
-            "dead_workers": sorted(self.dead),
+            "dead_workers": sorted(set(self.dead)),  # a restarted run may lose one again
             "times": self.times,
         }
