@@ -6,6 +6,7 @@ A script written against it runs unchanged as ``python script.py`` (one tower), 
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -228,6 +229,10 @@ class Context:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+            # Let go of the group now, while the interpreter is whole: a Gloo group destroyed
+            # during interpreter shutdown can abort the process (std::terminate in a thread).
+            self.comm = LocalComm()
+            gc.collect()
 
     def __enter__(self) -> Context:
         return self

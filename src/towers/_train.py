@@ -543,7 +543,7 @@ def _sync_loop(ctx: Context, spec: _Spec) -> dict[str, Any] | None:
     times = history["times"]
     samples = first_samples = history["samples"]
     slow = spec.straggle.get(ctx.rank, 1.0)
-    reporter = Reporter(spec, ctx.is_main)
+    reporter = Reporter(spec, ctx.is_main, initial=first)
     ctx.barrier()
     start = time.perf_counter()
     try:
