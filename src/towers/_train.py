@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from . import _checkpoint
-from ._context import Context, check_loss, init
+from ._context import TRANSPORTS, Context, check_loss, init
 from ._data import BatchOrder, batches_per_epoch, global_batches, num_samples, take
 from ._modes import Mode, parse_mode
 from ._split import map_batch, split
@@ -104,6 +104,7 @@ class _Spec:
     checkpoint: str | None
     checkpoint_every: int
     every_rank: bool  # every rank returns the result (launched jobs), not only rank 0
+    transport: str | None = None
     resume: dict[str, Any] | None = None  # the checkpoint to start from, read by the caller
 
 
@@ -184,6 +185,7 @@ def train(
     timeout: float | None = None,
     checkpoint_every: int = 100,
     max_restarts: int = 0,
+    transport: str | None = None,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -272,6 +274,8 @@ def train(
         )
     total_steps = steps if steps is not None else epochs * batches_per_epoch(n, batch_size)  # type: ignore[operator]
     parsed = parse_mode(mode)
+    if transport is not None and transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
     if parsed.name != "sync":
         raise NotImplementedError(
             f"mode {mode!r} is not available in this version of towers; use mode='sync'"
@@ -315,6 +319,7 @@ def train(
         checkpoint=None if checkpoint is None else os.fspath(checkpoint),
         checkpoint_every=checkpoint_every,
         every_rank=launched,
+        transport=transport,
     )
     with torch.random.fork_rng(devices=[]):
         _preflight(spec, workers)
@@ -363,7 +368,7 @@ def _launch(spec: _Spec, workers: int, in_process: bool) -> dict[str, Any]:
 
 
 def _worker(spec: _Spec) -> dict[str, Any] | None:
-    ctx = init(timeout=spec.timeout)
+    ctx = init(timeout=spec.timeout, transport=spec.transport)
     try:
         return _sync_loop(ctx, spec)
     finally:

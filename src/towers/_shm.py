@@ -1,0 +1,379 @@
+"""Averaging through shared memory, for worker processes on one host and CPU tensors.
+
+Gloo moves a local all-reduce through loopback TCP: about 1.3 GB/s and milliseconds of latency
+on small messages, where a one-thread memcpy moves tens of GB/s. :class:`ShmComm` sums through
+one shared segment instead, with the same :class:`~towers._comm.Comm` interface, so the engines
+do not change. Collectives other than the sum (start-up broadcasts, object gathers, barriers)
+go through the process group it was built on.
+
+The segment holds, for each of two alternating generations, one input slot per rank, and one
+result area. A message is cut into chunks of at most one slot; each chunk is summed as:
+
+- small chunks: every rank copies its tensor into its slot, a barrier, then every rank adds all
+  slots in rank order into its own tensor (one barrier; each rank computes the same bytes with
+  the same kernel, so every rank holds identical numbers);
+- large chunks: reduce-scatter then all-gather over the ranks, so that all cores work. Rank r
+  owns part r of the chunk: it copies the other parts into its slot, and after a barrier adds
+  everyone's part r to its own and publishes it in the result area; after a second barrier it
+  copies the other ranks' parts from there. Each element is summed once, by its owner, so every
+  rank reads the same bytes.
+
+Writing a slot again two chunks later is safe without a third barrier: the chunk in between
+passed a barrier that every rank reaches only after it finished reading the older chunk.
+
+Synchronisation: one named POSIX semaphore per rank. Arriving at a barrier posts one token to
+every other rank and takes ``world_size - 1`` from its own; since no rank passes barrier k
+before every rank arrived at it, counting tokens is enough. A waiter first polls (with
+``sched_yield``, so that with more workers than cores the rank it waits for gets the core) and
+then blocks in ``sem_timedwait``; docs/performance.md has the measurements behind the default.
+A blocked waiter checks that its peers are alive, and gives up after ``timeout`` seconds.
+
+Nothing outlives the job: rank 0 unlinks the segment file and the semaphores as soon as every
+rank has attached, so the memory is freed when the last process exits, even on ``SIGKILL``.
+"""
+
+from __future__ import annotations
+
+import _multiprocessing
+import collections
+import contextlib
+import mmap
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ._comm import Comm, Work
+
+__all__ = ["ShmComm", "ShmUnavailable"]
+
+SHM_DIR = "/dev/shm"
+DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
+# Below this, one barrier and every rank summing everything beats reduce-scatter/all-gather,
+# whose second barrier and extra kernel launches cost more than the bandwidth they save.
+SMALL_BYTES = 256 * 1024
+# How long a waiter polls before it sleeps on its semaphore (see the module doc).
+DEFAULT_SPIN_SECONDS = 50e-6
+_ALIGN = 64
+_SEMAPHORE = 1  # multiprocessing's kind for a counting semaphore
+_SEM_MAX = _multiprocessing.SemLock.SEM_VALUE_MAX
+_SLICE = 0.25  # seconds between liveness checks of the peers while blocked
+
+
+class ShmUnavailable(RuntimeError):
+    """Shared-memory averaging cannot run here (other hosts, no /dev/shm, ...)."""
+
+
+def _host_key() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+class _Op:
+    """One all-reduce: the caller's tensor, and what wait() reports."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class _Work:
+    def __init__(self, comm: ShmComm, op: _Op):
+        self._comm = comm
+        self._op = op
+
+    def wait(self) -> bool:
+        self._comm._complete(self._op)
+        if self._op.error is not None:
+            raise self._op.error
+        return True
+
+
+class ShmComm:
+    """A :class:`~towers._comm.Comm` whose all-reduce runs through shared memory.
+
+    Built collectively on every rank of ``base`` (a process group whose ranks share this host);
+    ``base`` carries the other collectives. ``all_reduce_sum`` returns at once; the sum runs on
+    a helper thread (``threaded=True``, so it overlaps backward) or when the work is waited on,
+    in launch order either way.
+
+    Raises:
+        ShmUnavailable: on every rank alike, if the ranks are not on one host or the segment
+            cannot be created.
+    """
+
+    def __init__(
+        self,
+        base: Comm,
+        *,
+        timeout: float = 60.0,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        spin: float = DEFAULT_SPIN_SECONDS,
+        threaded: bool = True,
+    ):
+        self.base = base
+        self.rank = base.rank
+        self.world_size = base.world_size
+        self.timeout = timeout
+        self.spin = spin
+        self.slot_bytes = slot_bytes - slot_bytes % _ALIGN
+        if self.slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be at least {_ALIGN}, got {slot_bytes}")
+        world = self.world_size
+        info = base.all_gather_object((_host_key(), os.getpid(), secrets.token_hex(8)))
+        if any(key != info[0][0] for key, _, _ in info):
+            raise ShmUnavailable("the ranks run on more than one host")
+        self._peers = [(r, pid) for r, (_, pid, _) in enumerate(info) if r != self.rank]
+        name = f"towers-{info[0][2]}"
+        path = os.path.join(SHM_DIR, name)
+        sem_names = [f"/{name}-{r}" for r in range(world)]
+        size = (2 * world + 1) * self.slot_bytes
+        error = ""
+        try:
+            if self.rank == 0:
+                self._create(path, size, sem_names)
+        except Exception as exc:
+            error = f"cannot create {path} ({size} bytes) or its semaphores: {exc}"
+        errors = base.all_gather_object(error)
+        try:
+            if errors[0]:
+                raise ShmUnavailable(errors[0])
+            try:
+                self._attach(path, size, sem_names)
+            except Exception as exc:  # reported on every rank: all fall back, or all fail
+                error = f"rank {self.rank} cannot attach to {path}: {exc}"
+            errors = base.all_gather_object(error)
+        finally:
+            if self.rank == 0:
+                _unlink(path, sem_names)
+        failed = [e for e in errors if e]
+        if failed:
+            raise ShmUnavailable(failed[0])
+        self._chunks = 0  # chunks summed so far: picks the generation of slots to use
+        self._queue: collections.deque[_Op] = collections.deque()
+        self._lock = threading.Lock()
+        self._broken: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Condition(self._lock)
+        self._closing = False
+        if threaded:
+            self._thread = threading.Thread(target=self._serve, name="towers-shm", daemon=True)
+            self._thread.start()
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _create(self, path: str, size: int, sem_names: list[str]) -> None:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        self._sems = [
+            _multiprocessing.SemLock(_SEMAPHORE, 0, _SEM_MAX, n, False) for n in sem_names
+        ]
+
+    def _attach(self, path: str, size: int, sem_names: list[str]) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        if self.rank != 0:
+            self._sems = [
+                _multiprocessing.SemLock._rebuild(0, _SEMAPHORE, _SEM_MAX, n) for n in sem_names
+            ]
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._mine = self._sems[self.rank]
+        self._others = [s for r, s in enumerate(self._sems) if r != self.rank]
+
+    def _slot(self, generation: int, rank: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+        start = (generation * self.world_size + rank) * self.slot_bytes
+        return self._bytes[start : start + n * dtype.itemsize].view(dtype)
+
+    def _result(self, dtype: torch.dtype, n: int) -> torch.Tensor:
+        start = 2 * self.world_size * self.slot_bytes
+        return self._bytes[start : start + n * dtype.itemsize].view(dtype)
+
+    # -- the Comm interface ---------------------------------------------------------------------
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"shared-memory averaging sums CPU tensors, got one on {tensor.device}; "
+                "use transport='gloo' (or NCCL for CUDA tensors)"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce_sum needs a contiguous tensor")
+        op = _Op(tensor)
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            self._queue.append(op)
+            self._wake.notify()
+        return _Work(self, op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self._drain()
+        self.base.broadcast(tensor, src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        self._drain()
+        return self.base.all_gather_object(obj)
+
+    def barrier(self) -> None:
+        self._drain()
+        self.base.barrier()
+
+    def close(self) -> None:
+        """Finish pending sums and stop the helper thread; errors were raised by ``wait()``."""
+        if self._thread is not None:
+            with self._lock:
+                self._closing = True
+                self._wake.notify()
+            self._thread.join(self.timeout + 1.0)
+            self._thread = None
+        else:
+            with contextlib.suppress(Exception):
+                self._drain()
+
+    # -- progress -------------------------------------------------------------------------------
+
+    def _complete(self, op: _Op) -> None:
+        if self._thread is None:
+            while not op.done.is_set():
+                self._run_next()
+        else:
+            op.done.wait()
+
+    def _drain(self) -> None:
+        """Complete every launched sum: other collectives must not overtake them."""
+        with self._lock:
+            last = self._queue[-1] if self._queue else None
+        if last is not None:
+            self._complete(last)
+            if last.error is not None:
+                raise last.error
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+            self._run_next()
+
+    def _run_next(self) -> None:
+        with self._lock:
+            op = self._queue[0]
+        try:
+            if self._broken is not None:
+                raise self._broken
+            self._sum(op.tensor.view(-1))
+        except BaseException as exc:
+            self._broken = op.error = exc
+        with self._lock:
+            self._queue.popleft()
+        op.done.set()
+
+    # -- the sum --------------------------------------------------------------------------------
+
+    def _sum(self, flat: torch.Tensor) -> None:
+        per_chunk = self.slot_bytes // flat.element_size()
+        for start in range(0, flat.numel(), per_chunk):
+            chunk = flat[start : start + per_chunk]
+            generation = self._chunks % 2
+            self._chunks += 1
+            if chunk.numel() * chunk.element_size() <= SMALL_BYTES or self.world_size == 1:
+                self._sum_small(chunk, generation)
+            else:
+                self._sum_large(chunk, generation)
+
+    def _sum_small(self, x: torch.Tensor, generation: int) -> None:
+        n, dtype = x.numel(), x.dtype
+        self._slot(generation, self.rank, dtype, n).copy_(x)
+        self._barrier()
+        slots = [self._slot(generation, r, dtype, n) for r in range(self.world_size)]
+        if len(slots) == 1:
+            x.copy_(slots[0])
+            return
+        torch.add(slots[0], slots[1], out=x)
+        for s in slots[2:]:
+            x.add_(s)
+
+    def _sum_large(self, x: torch.Tensor, generation: int) -> None:
+        n, dtype, world = x.numel(), x.dtype, self.world_size
+        # part r = [bounds[r], bounds[r + 1]), cut at cache-line multiples
+        step = max(1, _ALIGN // x.element_size())
+        bounds = [min(n, (n * r // world) // step * step) for r in range(world)] + [n]
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        mine = self._slot(generation, self.rank, dtype, n)
+        mine[:lo].copy_(x[:lo])
+        mine[hi:].copy_(x[hi:])
+        self._barrier()
+        acc = x[lo:hi]
+        for r in range(world):
+            if r != self.rank:
+                acc.add_(self._slot(generation, r, dtype, n)[lo:hi])
+        result = self._result(dtype, n)
+        result[lo:hi].copy_(acc)
+        self._barrier()
+        x[:lo].copy_(result[:lo])
+        x[hi:].copy_(result[hi:])
+
+    def _barrier(self) -> None:
+        for sem in self._others:
+            sem.release()
+        need = self.world_size - 1
+        mine = self._mine
+        if self.spin > 0:
+            stop = time.perf_counter() + self.spin
+            while need:
+                if mine.acquire(False):
+                    need -= 1
+                elif time.perf_counter() < stop:
+                    os.sched_yield()
+                else:
+                    break
+        deadline = time.monotonic() + self.timeout
+        while need:
+            if mine.acquire(True, _SLICE):
+                need -= 1
+                continue
+            for rank, pid in self._peers:
+                if not _alive(pid):
+                    raise RuntimeError(
+                        f"rank {rank} (pid {pid}) exited while rank {self.rank} waited for it "
+                        "in a shared-memory all-reduce"
+                    )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rank {self.rank} waited more than {self.timeout:g} s for the other ranks in "
+                    "a shared-memory all-reduce; is a worker stuck, or did the ranks issue "
+                    "different collectives?"
+                )
+
+
+def _unlink(path: str, sem_names: list[str]) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    for n in sem_names:
+        with contextlib.suppress(OSError):
+            _multiprocessing.sem_unlink(n)
