@@ -198,3 +198,18 @@ def test_parameter_without_gradient_is_not_updated():
         model, mse, (x, y), batch_size=6, steps=3, workers=1, optimizer=adam, progress=False
     )
     assert torch.equal(result.model.unused, torch.ones(2))
+
+
+def test_all_finite_matches_the_elementwise_check():
+    from towers._sync import all_finite
+
+    big = torch.full((4,), 3e38)  # finite, but its float32 sum overflows
+    cases = [torch.zeros(0), torch.randn(1000), big, torch.arange(5)]
+    for bad in (math.nan, math.inf, -math.inf):
+        t = torch.randn(1000)
+        t[617] = bad
+        cases.append(t)
+    both = torch.tensor([math.inf, -math.inf])  # sums to nan
+    for t in [*cases, both, big.double()]:
+        expected = bool(torch.isfinite(t).all())
+        assert all_finite(t) == expected, t
