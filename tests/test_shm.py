@@ -84,6 +84,44 @@ def test_sum_matches_gloo_and_is_identical_on_every_rank(workers, threaded, slot
             assert identical, f"message {k}: ranks hold different bytes"
 
 
+def _in_place(threaded: bool) -> list[tuple[bool, bool]]:
+    init_process_group()
+    base = DistComm()
+    comm = ShmComm(base, threaded=threaded)
+    try:
+        g = torch.Generator().manual_seed(comm.rank)
+        out = []
+        for numel, dtype, view in [
+            (300_001, torch.float32, slice(None)),
+            (200_000, torch.float64, slice(1000, 150_003)),  # a view at an offset
+            (50, torch.float32, slice(None)),  # small: the general path
+        ]:
+            buf = comm.empty(numel, dtype)
+            assert not buf.any(), "a fresh buffer is zeroed"
+            buf.copy_(torch.randn(numel, generator=g, dtype=dtype))
+            expected = buf[view].clone()
+            base.all_reduce_sum(expected).wait()
+            for _ in range(3):  # again and again: the buffer is reused, as bucket buffers are
+                before = buf[view].clone()
+                comm.all_reduce_sum(buf[view]).wait()
+                got = buf[view].clone()
+                buf[view].copy_(before)
+            same = comm.all_gather_object(got.numpy().tobytes())
+            out.append((torch.allclose(got, expected, rtol=1e-5, atol=1e-5), len(set(same)) == 1))
+        return out
+    finally:
+        comm.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("workers", "threaded"), [(2, True), (3, False), (4, True)])
+def test_sums_in_lent_buffers_match_gloo(workers, threaded):
+    for rank, rows in enumerate(towers.spawn(_in_place, workers, threaded, timeout=50)):
+        for k, (close, identical) in enumerate(rows):
+            assert close and identical, f"rank {rank}, buffer {k}: {close=}, {identical=}"
+
+
 def _nan_result() -> tuple[bool, bool]:
     init_process_group()
     comm = ShmComm(DistComm())

@@ -136,36 +136,16 @@ class ShmComm:
         self.slot_bytes = slot_bytes - slot_bytes % _ALIGN
         if self.slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be at least {_ALIGN}, got {slot_bytes}")
-        world = self.world_size
-        info = base.all_gather_object((_host_key(), os.getpid(), secrets.token_hex(8)))
-        if any(key != info[0][0] for key, _, _ in info):
+        info = base.all_gather_object((_host_key(), os.getpid()))
+        if any(key != info[0][0] for key, _ in info):
             raise ShmUnavailable("the ranks run on more than one host")
-        self._peers = [(r, pid) for r, (_, pid, _) in enumerate(info) if r != self.rank]
-        name = f"towers-{info[0][2]}"
-        path = os.path.join(SHM_DIR, name)
-        sem_names = [f"/{name}-{r}" for r in range(world)]
-        size = (2 * world + 1) * self.slot_bytes
-        error = ""
-        try:
-            if self.rank == 0:
-                self._create(path, size, sem_names)
-        except Exception as exc:
-            error = f"cannot create {path} ({size} bytes) or its semaphores: {exc}"
-        errors = base.all_gather_object(error)
-        try:
-            if errors[0]:
-                raise ShmUnavailable(errors[0])
-            try:
-                self._attach(path, size, sem_names)
-            except Exception as exc:  # reported on every rank: all fall back, or all fail
-                error = f"rank {self.rank} cannot attach to {path}: {exc}"
-            errors = base.all_gather_object(error)
-        finally:
-            if self.rank == 0:
-                _unlink(path, sem_names)
-        failed = [e for e in errors if e]
-        if failed:
-            raise ShmUnavailable(failed[0])
+        self._peers = [(r, pid) for r, (_, pid) in enumerate(info) if r != self.rank]
+        size = (2 * self.world_size + 1) * self.slot_bytes
+        self._bytes, self._sems = _open_shared(base, size, self.world_size)
+        self._mine = self._sems[self.rank]
+        self._others = [s for r, s in enumerate(self._sems) if r != self.rank]
+        # buffers from empty(): (start address, end address, every rank's bytes)
+        self._regions: list[tuple[int, int, list[torch.Tensor]]] = []
         self._chunks = 0  # chunks summed so far: picks the generation of slots to use
         self._queue: collections.deque[_Op] = collections.deque()
         self._lock = threading.Lock()
@@ -179,30 +159,6 @@ class ShmComm:
 
     # -- set-up ---------------------------------------------------------------------------------
 
-    def _create(self, path: str, size: int, sem_names: list[str]) -> None:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-        self._sems = [
-            _multiprocessing.SemLock(_SEMAPHORE, 0, _SEM_MAX, n, False) for n in sem_names
-        ]
-
-    def _attach(self, path: str, size: int, sem_names: list[str]) -> None:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        if self.rank != 0:
-            self._sems = [
-                _multiprocessing.SemLock._rebuild(0, _SEMAPHORE, _SEM_MAX, n) for n in sem_names
-            ]
-        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._mine = self._sems[self.rank]
-        self._others = [s for r, s in enumerate(self._sems) if r != self.rank]
-
     def _slot(self, generation: int, rank: int, dtype: torch.dtype, n: int) -> torch.Tensor:
         start = (generation * self.world_size + rank) * self.slot_bytes
         return self._bytes[start : start + n * dtype.itemsize].view(dtype)
@@ -210,6 +166,31 @@ class ShmComm:
     def _result(self, dtype: torch.dtype, n: int) -> torch.Tensor:
         start = 2 * self.world_size * self.slot_bytes
         return self._bytes[start : start + n * dtype.itemsize].view(dtype)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed buffer in shared memory whose sums skip the copy into the slots.
+
+        A collective: every rank calls it, in the same order, with the same arguments. Sums of
+        views of it at the same offset on every rank read the peers' buffers in place and
+        write only this rank's, so they move less than half the bytes of the general path.
+        """
+        nbytes = numel * dtype.itemsize
+        stride = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        shared, _ = _open_shared(self.base, stride * self.world_size, 0)
+        regions = [shared[r * stride : r * stride + nbytes] for r in range(self.world_size)]
+        mine = regions[self.rank]
+        self._regions.append((mine.data_ptr(), mine.data_ptr() + nbytes, regions))
+        return mine.view(dtype)
+
+    def _in_place(self, flat: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's copy of ``flat`` if it lies in a buffer from :meth:`empty`."""
+        start = flat.data_ptr()
+        stop = start + flat.numel() * flat.element_size()
+        for lo, hi, regions in self._regions:
+            if lo <= start and stop <= hi:
+                offset = start - lo
+                return [r[offset : offset + stop - start].view(flat.dtype) for r in regions]
+        return None
 
     # -- the Comm interface ---------------------------------------------------------------------
 
@@ -296,6 +277,11 @@ class ShmComm:
     # -- the sum --------------------------------------------------------------------------------
 
     def _sum(self, flat: torch.Tensor) -> None:
+        if flat.numel() * flat.element_size() > SMALL_BYTES and self.world_size > 1:
+            copies = self._in_place(flat)
+            if copies is not None:
+                self._sum_in_place(copies)
+                return
         per_chunk = self.slot_bytes // flat.element_size()
         for start in range(0, flat.numel(), per_chunk):
             chunk = flat[start : start + per_chunk]
@@ -320,9 +306,7 @@ class ShmComm:
 
     def _sum_large(self, x: torch.Tensor, generation: int) -> None:
         n, dtype, world = x.numel(), x.dtype, self.world_size
-        # part r = [bounds[r], bounds[r + 1]), cut at cache-line multiples
-        step = max(1, _ALIGN // x.element_size())
-        bounds = [min(n, (n * r // world) // step * step) for r in range(world)] + [n]
+        bounds = self._bounds(x)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         mine = self._slot(generation, self.rank, dtype, n)
         mine[:lo].copy_(x[:lo])
@@ -337,6 +321,31 @@ class ShmComm:
         self._barrier()
         x[:lo].copy_(result[:lo])
         x[hi:].copy_(result[hi:])
+
+    def _sum_in_place(self, copies: list[torch.Tensor]) -> None:
+        """Reduce-scatter and all-gather straight between the ranks' buffers."""
+        world, rank = self.world_size, self.rank
+        bounds = self._bounds(copies[rank])
+        lo, hi = bounds[rank], bounds[rank + 1]
+        mine = copies[rank]
+        self._barrier()  # every rank's buffer holds its input
+        acc = mine[lo:hi]
+        for r in range(world):
+            if r != rank:
+                acc.add_(copies[r][lo:hi])
+        self._barrier()  # every part is summed, in its owner's buffer
+        for r in range(world):
+            if r != rank:
+                mine[bounds[r] : bounds[r + 1]].copy_(copies[r][bounds[r] : bounds[r + 1]])
+        # No rank may write its buffer again (the next step's gradients) while a peer still
+        # copies from it.
+        self._barrier()
+
+    def _bounds(self, x: torch.Tensor) -> list[int]:
+        """Part r of ``x`` is ``[bounds[r], bounds[r + 1])``, cut at cache-line multiples."""
+        n, world = x.numel(), self.world_size
+        step = max(1, _ALIGN // x.element_size())
+        return [min(n, (n * r // world) // step * step) for r in range(world)] + [n]
 
     def _barrier(self) -> None:
         for sem in self._others:
@@ -369,6 +378,54 @@ class ShmComm:
                     "a shared-memory all-reduce; is a worker stuck, or did the ranks issue "
                     "different collectives?"
                 )
+
+
+def _open_shared(base: Comm, size: int, semaphores: int) -> tuple[torch.Tensor, list[Any]]:
+    """Map a new segment of ``size`` bytes (and named semaphores) on every rank of ``base``.
+
+    Rank 0 creates them, the others attach, and rank 0 unlinks them once all have attached (or
+    failed to), so that nothing is left behind whatever happens next. A failure anywhere
+    raises :class:`ShmUnavailable` on every rank.
+    """
+    name = f"towers-{base.all_gather_object(secrets.token_hex(8))[0]}"
+    path = os.path.join(SHM_DIR, name)
+    sem_names = [f"/{name}-{r}" for r in range(semaphores)]
+    sems: list[Any] = []
+    error = ""
+    if base.rank == 0:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            sems = [_multiprocessing.SemLock(_SEMAPHORE, 0, _SEM_MAX, n, False) for n in sem_names]
+        except Exception as exc:
+            error = f"cannot create {path} ({size} bytes) or its semaphores: {exc}"
+    try:
+        errors = base.all_gather_object(error)
+        if errors[0]:
+            raise ShmUnavailable(errors[0])
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                mapped = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            if base.rank != 0:
+                sems = [
+                    _multiprocessing.SemLock._rebuild(0, _SEMAPHORE, _SEM_MAX, n) for n in sem_names
+                ]
+        except Exception as exc:  # reported on every rank: all fall back, or all fail
+            error = f"rank {base.rank} cannot attach to {path}: {exc}"
+        errors = base.all_gather_object(error)
+    finally:
+        if base.rank == 0:
+            _unlink(path, sem_names)
+    failed = [e for e in errors if e]
+    if failed:
+        raise ShmUnavailable(failed[0])
+    return torch.frombuffer(mapped, dtype=torch.uint8), sems
 
 
 def _unlink(path: str, sem_names: list[str]) -> None:

@@ -95,7 +95,7 @@ class GradientSync:
             ref = self.params[indices[0]]
             total = sum(self.params[i].numel() for i in indices)
             extra = self.meta_len if b == last and self.meta_in_bucket else 0
-            storage = torch.zeros(total + extra, dtype=ref.dtype, device=ref.device)
+            storage = self._buffer(total + extra, ref)
             self._storage.append(storage)
             self.buffers.append(storage[:total])
             start, slots = 0, []
@@ -111,6 +111,14 @@ class GradientSync:
         ]
         self._armed = False
         self._reset()
+
+    def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        # A transport that can sum its own buffers in place (shared memory) lends them: the
+        # gradients are packed straight where the peers read them, saving a copy per bucket.
+        empty = getattr(self.comm, "empty", None)
+        if empty is not None and like.device.type == "cpu":
+            return empty(numel, like.dtype)
+        return torch.zeros(numel, dtype=like.dtype, device=like.device)
 
     def _make_buckets(self, bucket_bytes: int) -> list[list[int]]:
         buckets: list[list[int]] = []
