@@ -21,12 +21,22 @@ result area. A message is cut into chunks of at most one slot; each chunk is sum
 Writing a slot again two chunks later is safe without a third barrier: the chunk in between
 passed a barrier that every rank reaches only after it finished reading the older chunk.
 
+Buffers lent by :meth:`ShmComm.empty` (the engine packs its gradient buckets into them) skip the
+copies: each rank adds the peers' part r to its own buffer in place, then copies the other
+parts from their owners' buffers, and a third barrier keeps it from writing its buffer again
+while a peer still reads it. That moves about 2.5 times fewer bytes.
+
+Sums run when their work is waited on, in launch order, on the calling thread: on CPU the
+cores are busy with backward anyway, so a helper thread (``threaded=True``) adds GIL hand-offs
+and gains nothing measurable on 2 cores (docs/performance.md).
+
 Synchronisation: one named POSIX semaphore per rank. Arriving at a barrier posts one token to
 every other rank and takes ``world_size - 1`` from its own; since no rank passes barrier k
-before every rank arrived at it, counting tokens is enough. A waiter first polls (with
-``sched_yield``, so that with more workers than cores the rank it waits for gets the core) and
-then blocks in ``sem_timedwait``; docs/performance.md has the measurements behind the default.
-A blocked waiter checks that its peers are alive, and gives up after ``timeout`` seconds.
+before every rank arrived at it, counting tokens is enough. When every rank has a core, a
+waiter first polls for up to ``spin`` seconds (yielding the core in between), then blocks in
+``sem_timedwait``; with more workers than cores polling steals the core of the rank it waits
+for, so it blocks at once. A blocked waiter checks that its peers are alive, and gives up after
+``timeout`` seconds.
 
 Nothing outlives the job: rank 0 unlinks the segment file and the semaphores as soon as every
 rank has attached, so the memory is freed when the last process exits, even on ``SIGKILL``.
@@ -48,6 +58,7 @@ from typing import Any
 import torch
 
 from ._comm import Comm, Work
+from ._world import cpu_count
 
 __all__ = ["ShmComm", "ShmUnavailable"]
 
@@ -56,8 +67,9 @@ DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
 # Below this, one barrier and every rank summing everything beats reduce-scatter/all-gather,
 # whose second barrier and extra kernel launches cost more than the bandwidth they save.
 SMALL_BYTES = 256 * 1024
-# How long a waiter polls before it sleeps on its semaphore (see the module doc).
-DEFAULT_SPIN_SECONDS = 50e-6
+# How long a waiter polls before it sleeps on its semaphore, when every rank has a core (see the
+# module doc; measured in docs/performance.md).
+DEFAULT_SPIN_SECONDS = 1e-3
 _ALIGN = 64
 _SEMAPHORE = 1  # multiprocessing's kind for a counting semaphore
 _SEM_MAX = _multiprocessing.SemLock.SEM_VALUE_MAX
@@ -110,9 +122,10 @@ class ShmComm:
     """A :class:`~towers._comm.Comm` whose all-reduce runs through shared memory.
 
     Built collectively on every rank of ``base`` (a process group whose ranks share this host);
-    ``base`` carries the other collectives. ``all_reduce_sum`` returns at once; the sum runs on
-    a helper thread (``threaded=True``, so it overlaps backward) or when the work is waited on,
-    in launch order either way.
+    ``base`` carries the other collectives. ``all_reduce_sum`` returns at once; the sum runs
+    when the work is waited on (or on a helper thread with ``threaded=True``), in launch order
+    either way. ``spin`` defaults to polling 1 ms before blocking if the ranks do not outnumber
+    the cores, and to blocking at once if they do.
 
     Raises:
         ShmUnavailable: on every rank alike, if the ranks are not on one host or the segment
@@ -125,13 +138,15 @@ class ShmComm:
         *,
         timeout: float = 60.0,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
-        spin: float = DEFAULT_SPIN_SECONDS,
-        threaded: bool = True,
+        spin: float | None = None,
+        threaded: bool = False,
     ):
         self.base = base
         self.rank = base.rank
         self.world_size = base.world_size
         self.timeout = timeout
+        if spin is None:
+            spin = DEFAULT_SPIN_SECONDS if self.world_size <= cpu_count() else 0.0
         self.spin = spin
         self.slot_bytes = slot_bytes - slot_bytes % _ALIGN
         if self.slot_bytes <= 0:
