@@ -57,7 +57,7 @@ class BenchConfig:
     bucket_mib: Sequence[float] = (1.0, 25.0)  # extra towers-shm arms (the default is 4 MiB)
     sweep_bytes: Sequence[int] = tuple(SWEEP_BYTES)
     sweep_seconds: float = 0.15  # per size and transport, at most (a few calls at least)
-    timeout: float = 120.0
+    timeout: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -299,7 +299,9 @@ def _sweep_memcpy(sizes: Sequence[int], seconds: float) -> list[float]:
 
 def _median(values: list[Any]) -> float | str:
     numbers = [v for v in values if isinstance(v, float)]
-    return statistics.median(numbers) if numbers else values[0]
+    if numbers:
+        return statistics.median(numbers)
+    return values[0] if values else "not run"
 
 
 def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -313,24 +315,25 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         for name in cfg.models:
             order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
             for arm in order:
-                value = _arm(name, arm, cfg)
+                try:
+                    value = _arm(name, arm, cfg)
+                except Exception as exc:  # one failed run (a port taken, a timeout) is a gap
+                    value = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
                 raw[name][arm].append(value)
                 shown = f"{value * 1e3:.2f} ms/step" if isinstance(value, float) else value
                 log(f"repeat {rep + 1}/{cfg.repeats} {name:<4} {arm:<20} {shown}")
         if cfg.sweep_bytes:
             kinds = list(SWEEP_KINDS)
             for kind in kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]:
-                if kind == "memcpy":
-                    times = spawn(_sweep_memcpy, 1, cfg.sweep_bytes, cfg.sweep_seconds)[0]
-                else:
-                    times = spawn(
-                        _sweep_comm,
-                        cfg.workers,
-                        kind,
-                        cfg.sweep_bytes,
-                        cfg.sweep_seconds,
-                        timeout=cfg.timeout,
-                    )[0]
+                try:
+                    if kind == "memcpy":
+                        times = spawn(_sweep_memcpy, 1, cfg.sweep_bytes, cfg.sweep_seconds)[0]
+                    else:
+                        args = (kind, cfg.sweep_bytes, cfg.sweep_seconds)
+                        times = spawn(_sweep_comm, cfg.workers, *args, timeout=cfg.timeout)[0]
+                except Exception as exc:
+                    log(f"repeat {rep + 1}/{cfg.repeats} sweep {kind} failed: {exc}")
+                    continue
                 sweep_raw[kind].append(times)
             log(f"repeat {rep + 1}/{cfg.repeats} sweep done")
     return _summarize(cfg, arms, raw, sweep_raw)
