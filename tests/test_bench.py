@@ -30,6 +30,8 @@ def test_quick_bench_writes_json_table_and_chart(tmp_path, capsys):
             assert row["vs_single_nt"] > 0, row
         # measured once this version has the asynchronous engine, reported as skipped before
         assert "ms_per_step" in rows["towers-async"] or "skipped" in rows["towers-async"]
+        # the GPU arm runs where there is one GPU per worker, and says why not elsewhere
+        assert "ms_per_step" in rows["towers-nccl"] or "CUDA" in rows["towers-nccl"]["skipped"]
 
     sizes = [row["bytes"] for row in results["sweep"]]
     assert sizes == sorted(sizes) and sizes[0] == 4096

@@ -164,6 +164,31 @@ def test_unknown_transport_is_refused():
         towers.train(Net(), mse, (x, x[:, :1]), batch_size=4, steps=1, transport="tcp")
 
 
+def _refuse_a_device_tensor() -> str:
+    ctx = towers.init(transport="shm")
+    try:
+        ctx.comm.all_reduce_sum(torch.ones(3, device="meta"))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        ctx.close()
+    return "accepted"
+
+
+@pytest.mark.timeout(60)
+def test_shared_memory_refuses_tensors_off_the_cpu():
+    assert all("CPU tensors" in r for r in towers.spawn(_refuse_a_device_tensor, 2, timeout=50))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(60)
+def test_auto_keeps_nccl_on_gpus():
+    # one worker per GPU, as torchrun would start them; 1 GPU: a world of one still runs NCCL
+    workers = min(2, torch.cuda.device_count())
+    assert towers.spawn(_transport, workers, None, timeout=50) == ["DistComm"] * workers
+
+
 def _die_or_wait(victim: int) -> None:
     ctx = towers.init(timeout=30)
     comm = ctx.comm

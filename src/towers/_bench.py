@@ -11,7 +11,9 @@ other processes hits all arms alike; the report gives medians. Arms:
 - ``towers-gloo``, ``towers-shm``: towers' synchronous step on each transport (and with other
   bucket sizes if asked);
 - ``towers-async``: ``towers.train(mode="async")`` when this version has it (else reported as
-  skipped).
+  skipped);
+- ``towers-nccl``: towers' synchronous step on NCCL, one GPU per worker (skipped without as many
+  CUDA devices as workers).
 
 The sweep times one all-reduce of 4 KB ... 64 MB float32 messages on each transport, next to a
 one-thread memcpy of the same size measured in the same run. Reporting lives in
@@ -41,7 +43,16 @@ SWEEP_BYTES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 2
 # shm: the caller's own tensor (copied in and out); shm-lent: a buffer from ShmComm.empty(),
 # summed in place (what the engine's buckets use); memcpy: one thread, the same sizes
 SWEEP_KINDS = ("gloo", "shm", "shm-lent", "memcpy")
-ARMS = ["single-1t", "single-Nt", "floor", "ddp", "towers-gloo", "towers-shm", "towers-async"]
+ARMS = [
+    "single-1t",
+    "single-Nt",
+    "floor",
+    "ddp",
+    "towers-gloo",
+    "towers-shm",
+    "towers-async",
+    "towers-nccl",
+]
 
 
 @dataclass
@@ -238,6 +249,8 @@ def _arm(name: str, arm: str, cfg: BenchConfig) -> float | str:
         return spawn(_ddp, n, name, w, s, timeout=cfg.timeout)[0]
     if arm == "towers-async":
         return _async(name, n, w, s)
+    if arm == "towers-nccl" and torch.cuda.device_count() < n:
+        return f"skipped: needs {n} CUDA devices, this machine has {torch.cuda.device_count()}"
     if arm.startswith("towers-"):
         transport, _, bucket = arm.removeprefix("towers-").partition("@")
         mib = float(bucket.removesuffix("MiB")) if bucket else 4.0
