@@ -377,6 +377,10 @@ def _summarize(
                     "scaling_efficiency": _ratio(t1, width * t) if arm != "single-1t" else 1.0,
                     "vs_ddp": _ratio(t, tddp),
                     "vs_single_nt": _ratio(t, tn),
+                    # the same ratios taken within each repeat, then the median: load that
+                    # drifts between repeats cancels out
+                    "vs_ddp_paired": _paired(raw[name][arm], raw[name].get("ddp")),
+                    "vs_single_nt_paired": _paired(raw[name][arm], raw[name].get("single-Nt")),
                 }
             else:
                 row["skipped"] = t
@@ -416,6 +420,12 @@ def _summarize(
 
 def _ms(value: Any) -> Any:
     return value * 1e3 if isinstance(value, float) else value
+
+
+def _paired(runs: list[Any], reference: list[Any] | None) -> float | None:
+    ratios = [_ratio(a, b) for a, b in zip(runs, reference or [])]
+    numbers = [r for r in ratios if r is not None]
+    return statistics.median(numbers) if numbers else None
 
 
 def _ratio(a: Any, b: Any) -> float | None:

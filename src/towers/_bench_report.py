@@ -22,12 +22,16 @@ def table(results: dict[str, Any]) -> str:
         f"median of {cfg['repeats']} interleaved repeats; {machine['cores']} cores, torch "
         f"{machine['torch']}, load average at the end {machine['load_average'][0]:.2f}",
     ]
+    lines.append(
+        "vs DDP, vs 1p-Nt: ratio of the medians; paired: median of the ratios within each "
+        "repeat (steadier under load from other processes); 1p-Nt: one process, N threads"
+    )
     for name, model in results["models"].items():
         lines += [
             "",
             f"{name}: global batch {model['global_batch']}, {model['parameters']:,} parameters",
             f"{'arm':<22}{'ms/step':>10}{'samples/s':>12}{'scaling':>9}{'vs DDP':>8}"
-            f"{'vs 1p-Nt':>10}   runs (ms)",
+            f"{'paired':>8}{'vs 1p-Nt':>10}{'paired':>8}   runs (ms)",
         ]
         for row in model["arms"]:
             if "skipped" in row:
@@ -37,7 +41,8 @@ def table(results: dict[str, Any]) -> str:
             lines.append(
                 f"{row['arm']:<22}{row['ms_per_step']:>10.2f}{row['samples_per_s']:>12.0f}"
                 f"{_f(row['scaling_efficiency'], '.0%'):>9}{_f(row['vs_ddp'], '.2f'):>8}"
-                f"{_f(row['vs_single_nt'], '.2f'):>10}   {runs}"
+                f"{_f(row['vs_ddp_paired'], '.2f'):>8}{_f(row['vs_single_nt'], '.2f'):>10}"
+                f"{_f(row['vs_single_nt_paired'], '.2f'):>8}   {runs}"
             )
     if results["sweep"]:
         lines += [
