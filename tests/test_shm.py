@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -96,7 +97,7 @@ def _in_place(threaded: bool) -> list[tuple[bool, bool]]:
             (200_000, torch.float64, slice(1000, 150_003)),  # a view at an offset
             (50, torch.float32, slice(None)),  # small: the general path
         ]:
-            buf = comm.empty(numel, dtype)
+            buf = comm.buffer(numel, dtype)
             assert not buf.any(), "a fresh buffer is zeroed"
             buf.copy_(torch.randn(numel, generator=g, dtype=dtype))
             expected = buf[view].clone()
@@ -162,6 +163,49 @@ def test_unknown_transport_is_refused():
     x = torch.randn(8, 3)
     with pytest.raises(ValueError, match="transport must be one of"):
         towers.train(Net(), mse, (x, x[:, :1]), batch_size=4, steps=1, transport="tcp")
+
+
+def _full_shm(*args):
+    raise OSError(28, "No space left on device")
+
+
+def _short_of_shared_memory(when: str) -> Any:
+    """Train 3 steps with /dev/shm full from the start, or only once the comm exists."""
+    import towers._shm as shm
+
+    if when == "start":
+        shm.os.posix_fallocate = _full_shm
+        assert type(towers.init().comm).__name__ == "DistComm"
+        try:
+            towers.init(transport="shm")
+        except RuntimeError as exc:
+            return str(exc)
+        return "no error"
+    ctx = towers.init(transport=None if when == "never" else "shm")
+    if when == "buckets":
+        shm.os.posix_fallocate = _full_shm
+    torch.manual_seed(0)
+    model = ctx.replicate(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.linspace(-1, 1, 24).reshape(8, 3)
+    for _ in range(3):
+        shard = towers.split((x, x[:, :1] ** 2), ctx.world_size)[ctx.rank]
+        ctx.step(mse(model, shard), opt, samples=len(shard[0]))
+    lent = bool(getattr(ctx.comm, "_regions", None))
+    ctx.close()
+    return lent, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(60)
+def test_short_of_shared_memory_falls_back_cleanly():
+    errors = towers.spawn(_short_of_shared_memory, 2, "start", timeout=50)
+    assert all("No space left" in e for e in errors)
+    (lent, expected), _ = towers.spawn(_short_of_shared_memory, 2, "never", timeout=50)
+    assert lent  # bucket buffers were lent normally
+    (lent, got), _ = towers.spawn(_short_of_shared_memory, 2, "buckets", timeout=50)
+    assert not lent  # the buckets stayed private and were summed by copy
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 def _refuse_a_device_tensor() -> str:

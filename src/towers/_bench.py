@@ -40,7 +40,7 @@ __all__ = ["BenchConfig", "run"]
 
 MiB = 1024 * 1024
 SWEEP_BYTES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-# shm: the caller's own tensor (copied in and out); shm-lent: a buffer from ShmComm.empty(),
+# shm: the caller's own tensor (copied in and out); shm-lent: a buffer from ShmComm.buffer(),
 # summed in place (what the engine's buckets use); memcpy: one thread, the same sizes
 SWEEP_KINDS = ("gloo", "shm", "shm-lent", "memcpy")
 ARMS = [
@@ -281,7 +281,7 @@ def _sweep_comm(kind: str, sizes: Sequence[int], seconds: float) -> list[float]:
         out = []
         for nbytes in sizes:
             if kind.endswith("-lent"):  # a buffer lent by the transport, as bucket buffers are
-                x = comm.empty(nbytes // 4, torch.float32)  # type: ignore[attr-defined]
+                x = comm.buffer(nbytes // 4, torch.float32)  # type: ignore[attr-defined]
                 x.fill_(1.0)
             else:
                 x = torch.ones(nbytes // 4)

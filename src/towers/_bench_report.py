@@ -65,7 +65,7 @@ def table(results: dict[str, Any]) -> str:
             lines.append("".join(cells))
         lines.append(
             "(bandwidths in GB/s; shm: the caller's tensor, copied in and out; lent: a buffer "
-            "from ShmComm.empty, summed in place, as the engine's buckets are; mc: memcpy)"
+            "from ShmComm.buffer, summed in place, as the engine's buckets are; mc: memcpy)"
         )
     return "\n".join(lines)
 

@@ -21,7 +21,7 @@ result area. A message is cut into chunks of at most one slot; each chunk is sum
 Writing a slot again two chunks later is safe without a third barrier: the chunk in between
 passed a barrier that every rank reaches only after it finished reading the older chunk.
 
-Buffers lent by :meth:`ShmComm.empty` (the engine packs its gradient buckets into them) skip the
+Buffers lent by :meth:`ShmComm.buffer` (the engine packs its gradient buckets into them) skip the
 copies: each rank adds the peers' part r to its own buffer in place, then copies the other
 parts from their owners' buffers, and a third barrier keeps it from writing its buffer again
 while a peer still reads it. That moves about 2.5 times fewer bytes.
@@ -159,7 +159,7 @@ class ShmComm:
         self._bytes, self._sems = _open_shared(base, size, self.world_size)
         self._mine = self._sems[self.rank]
         self._others = [s for r, s in enumerate(self._sems) if r != self.rank]
-        # buffers from empty(): (start address, end address, every rank's bytes)
+        # buffers from buffer(): (start address, end address, every rank's bytes)
         self._regions: list[tuple[int, int, list[torch.Tensor]]] = []
         self._chunks = 0  # chunks summed so far: picks the generation of slots to use
         self._queue: collections.deque[_Op] = collections.deque()
@@ -182,23 +182,30 @@ class ShmComm:
         start = 2 * self.world_size * self.slot_bytes
         return self._bytes[start : start + n * dtype.itemsize].view(dtype)
 
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A zeroed buffer in shared memory whose sums skip the copy into the slots.
 
         A collective: every rank calls it, in the same order, with the same arguments. Sums of
         views of it at the same offset on every rank read the peers' buffers in place and
         write only this rank's, so they move less than half the bytes of the general path.
+
+        Returns:
+            The buffer, or ``None`` on every rank if shared memory is short (a container's
+            /dev/shm is often 64 MB): the caller keeps its own tensor, summed by copy.
         """
         nbytes = numel * dtype.itemsize
         stride = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
-        shared, _ = _open_shared(self.base, stride * self.world_size, 0)
+        try:
+            shared, _ = _open_shared(self.base, stride * self.world_size, 0)
+        except ShmUnavailable:
+            return None
         regions = [shared[r * stride : r * stride + nbytes] for r in range(self.world_size)]
         mine = regions[self.rank]
         self._regions.append((mine.data_ptr(), mine.data_ptr() + nbytes, regions))
         return mine.view(dtype)
 
     def _in_place(self, flat: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's copy of ``flat`` if it lies in a buffer from :meth:`empty`."""
+        """Every rank's copy of ``flat`` if it lies in a buffer from :meth:`buffer`."""
         start = flat.data_ptr()
         stop = start + flat.numel() * flat.element_size()
         for lo, hi, regions in self._regions:
@@ -412,6 +419,9 @@ def _open_shared(base: Comm, size: int, semaphores: int) -> tuple[torch.Tensor, 
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.ftruncate(fd, size)
+                # Reserve the pages now: on a full tmpfs a write to a sparse page is SIGBUS,
+                # while this fails cleanly and the job falls back to the process group.
+                os.posix_fallocate(fd, 0, size)
             finally:
                 os.close(fd)
             sems = [_multiprocessing.SemLock(_SEMAPHORE, 0, _SEM_MAX, n, False) for n in sem_names]

@@ -115,9 +115,10 @@ class GradientSync:
     def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         # A transport that can sum its own buffers in place (shared memory) lends them: the
         # gradients are packed straight where the peers read them, saving a copy per bucket.
-        empty = getattr(self.comm, "empty", None)
-        if empty is not None and like.device.type == "cpu":
-            return empty(numel, like.dtype)
+        lend = getattr(self.comm, "buffer", None)
+        lent = lend(numel, like.dtype) if lend is not None and like.device.type == "cpu" else None
+        if lent is not None:
+            return lent
         return torch.zeros(numel, dtype=like.dtype, device=like.device)
 
     def _make_buckets(self, bucket_bytes: int) -> list[list[int]]:
