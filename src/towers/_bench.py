@@ -331,7 +331,9 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         arms += [f"towers-shm@{m:g}MiB" for m in cfg.bucket_mib]
     raw: dict[str, dict[str, list[Any]]] = {m: {a: [] for a in arms} for m in cfg.models}
     sweep_raw: dict[str, list[list[float]]] = {k: [] for k in SWEEP_KINDS}
+    loads = []  # the machine's 1-minute load average as each repeat starts
     for rep in range(cfg.repeats):
+        loads.append(os.getloadavg()[0])
         for name in cfg.models:
             order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
             for arm in order:
@@ -356,7 +358,9 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
                     continue
                 sweep_raw[kind].append(times)
             log(f"repeat {rep + 1}/{cfg.repeats} sweep done")
-    return _summarize(cfg, arms, raw, sweep_raw)
+    results = _summarize(cfg, arms, raw, sweep_raw)
+    results["machine"]["load_at_repeats"] = loads
+    return results
 
 
 def _summarize(

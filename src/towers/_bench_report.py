@@ -22,6 +22,9 @@ def table(results: dict[str, Any]) -> str:
         f"median of {cfg['repeats']} interleaved repeats; {machine['cores']} cores, torch "
         f"{machine['torch']}, load average at the end {machine['load_average'][0]:.2f}",
     ]
+    if "load_at_repeats" in machine:
+        loads = " ".join(f"{v:.2f}" for v in machine["load_at_repeats"])
+        lines.append(f"1-minute load average as each repeat started: {loads}")
     lines.append(
         "vs DDP, vs 1p-Nt: ratio of the medians; paired: median of the ratios within each "
         "repeat (steadier under load from other processes); 1p-Nt: one process, N threads"
