@@ -32,11 +32,12 @@ and gains nothing measurable on 2 cores (docs/performance.md).
 
 Synchronisation: one named POSIX semaphore per rank. Arriving at a barrier posts one token to
 every other rank and takes ``world_size - 1`` from its own; since no rank passes barrier k
-before every rank arrived at it, counting tokens is enough. When every rank has a core, a
-waiter first polls for up to ``spin`` seconds (yielding the core in between), then blocks in
-``sem_timedwait``; with more workers than cores polling steals the core of the rank it waits
-for, so it blocks at once. A blocked waiter checks that its peers are alive, and gives up after
-``timeout`` seconds.
+before every rank arrived at it, counting tokens is enough. A waiter polls for up to ``spin``
+seconds, yielding the core between polls (so that with more workers than cores the rank it
+waits for can run), then blocks in ``sem_timedwait``. On 2 cores polling 1 ms halves the latency
+of a small all-reduce (24 us against 45 us with 2 workers, 77 against 128 us with 4) and changes
+step times by less than the noise, up to 8 workers (docs/performance.md). A blocked waiter
+checks that its peers are alive, and gives up after ``timeout`` seconds.
 
 Nothing outlives the job: rank 0 unlinks the segment file and the semaphores as soon as every
 rank has attached, so the memory is freed when the last process exits, even on ``SIGKILL``.
@@ -58,7 +59,6 @@ from typing import Any
 import torch
 
 from ._comm import Comm, Work
-from ._world import cpu_count
 
 __all__ = ["ShmComm", "ShmUnavailable"]
 
@@ -67,8 +67,7 @@ DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
 # Below this, one barrier and every rank summing everything beats reduce-scatter/all-gather,
 # whose second barrier and extra kernel launches cost more than the bandwidth they save.
 SMALL_BYTES = 256 * 1024
-# How long a waiter polls before it sleeps on its semaphore, when every rank has a core (see the
-# module doc; measured in docs/performance.md).
+# How long a waiter polls before it sleeps on its semaphore (see the module doc).
 DEFAULT_SPIN_SECONDS = 1e-3
 _ALIGN = 64
 _SEMAPHORE = 1  # multiprocessing's kind for a counting semaphore
@@ -124,8 +123,7 @@ class ShmComm:
     Built collectively on every rank of ``base`` (a process group whose ranks share this host);
     ``base`` carries the other collectives. ``all_reduce_sum`` returns at once; the sum runs
     when the work is waited on (or on a helper thread with ``threaded=True``), in launch order
-    either way. ``spin`` defaults to polling 1 ms before blocking if the ranks do not outnumber
-    the cores, and to blocking at once if they do.
+    either way. A barrier polls for ``spin`` seconds before it blocks.
 
     Raises:
         ShmUnavailable: on every rank alike, if the ranks are not on one host or the segment
@@ -138,15 +136,13 @@ class ShmComm:
         *,
         timeout: float = 60.0,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
-        spin: float | None = None,
+        spin: float = DEFAULT_SPIN_SECONDS,
         threaded: bool = False,
     ):
         self.base = base
         self.rank = base.rank
         self.world_size = base.world_size
         self.timeout = timeout
-        if spin is None:
-            spin = DEFAULT_SPIN_SECONDS if self.world_size <= cpu_count() else 0.0
         self.spin = spin
         self.slot_bytes = slot_bytes - slot_bytes % _ALIGN
         if self.slot_bytes <= 0:
