@@ -109,6 +109,8 @@ def _in_place(threaded: bool) -> list[tuple[bool, bool]]:
                 buf[view].copy_(before)
             same = comm.all_gather_object(got.numpy().tobytes())
             out.append((torch.allclose(got, expected, rtol=1e-5, atol=1e-5), len(set(same)) == 1))
+            del buf
+        assert comm._regions == [], "a dropped buffer is forgotten"
         return out
     finally:
         comm.close()

@@ -54,6 +54,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -197,8 +198,13 @@ class ShmComm:
             return None
         regions = [shared[r * stride : r * stride + nbytes] for r in range(self.world_size)]
         mine = regions[self.rank]
-        self._regions.append((mine.data_ptr(), mine.data_ptr() + nbytes, regions))
-        return mine.view(dtype)
+        entry = (mine.data_ptr(), mine.data_ptr() + nbytes, regions)
+        self._regions.append(entry)
+        lent = mine.view(dtype)
+        # Forget the region (and let its memory go) once the caller drops the buffer, e.g.
+        # when a model is replicated again: sums can no longer be asked of it.
+        weakref.finalize(lent, self._regions.remove, entry)
+        return lent
 
     def _in_place(self, flat: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's copy of ``flat`` if it lies in a buffer from :meth:`buffer`."""
