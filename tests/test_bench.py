@@ -40,6 +40,8 @@ def test_quick_bench_writes_json_table_and_chart(tmp_path, capsys):
             assert row[key] > 0, (key, row)
 
 
-def test_bench_refuses_unknown_arms(capsys):
+def test_bench_refuses_unknown_arms_and_bad_counts(capsys):
     assert main(["bench", "--arms", "ddp,horovod", "--no-sweep"]) == 2
     assert "horovod" in capsys.readouterr().err
+    assert main(["bench", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err

@@ -99,9 +99,13 @@ def _bench(args: argparse.Namespace) -> int:
     from ._bench_report import table, write
 
     options: dict = {"workers": args.workers}
-    for key in ("steps", "warmup", "repeats"):
-        if getattr(args, key) is not None:
-            options[key] = getattr(args, key)
+    for key, least in (("steps", 1), ("warmup", 0), ("repeats", 1)):
+        value = getattr(args, key)
+        if value is not None and value < least:
+            print(f"towers bench: --{key} must be >= {least}, got {value}", file=sys.stderr)
+            return 2
+        if value is not None:
+            options[key] = value
     if args.models:
         options["models"] = tuple(args.models.split(","))
     if args.arms:
