@@ -27,8 +27,11 @@ STAIRCASE = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3, gamm
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("workers", [1, 2, 3, 4])
-def test_sync_matches_single_process_loop(workers):
+@pytest.mark.parametrize(
+    ("workers", "transport"),
+    [(1, "auto"), (2, "shm"), (2, "gloo"), (3, "shm"), (3, "gloo"), (4, "shm"), (4, "gloo")],
+)
+def test_sync_matches_single_process_loop(workers, transport):
     # 45 samples in batches of 10: shards of 10 and of the epoch's last batch (5) are uneven for
     # 3 and 4 workers; 12 steps cross an epoch boundary (a new permutation).
     data = regression_data(45)
@@ -43,6 +46,7 @@ def test_sync_matches_single_process_loop(workers):
         lr_schedule=STAIRCASE,
         seed=7,
         progress=False,
+        transport=transport,
     )
     reference = make_net()
     losses, tower_losses, skipped = reference_loop(
@@ -123,7 +127,8 @@ def nan_at_sample_7(model, shard):
 
 
 @pytest.mark.timeout(60)
-def test_nan_in_one_sample_skips_the_step_on_every_tower():
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_nan_in_one_sample_skips_the_step_on_every_tower(transport):
     x, y = regression_data(40)
     x[7, 1] = float("nan")
     workers, batch = 3, 10
@@ -138,6 +143,7 @@ def test_nan_in_one_sample_skips_the_step_on_every_tower():
             optimizer=SGD_MOMENTUM,
             seed=5,
             progress=False,
+            transport=transport,
         )
     reference = make_net()
     losses, _, skipped = reference_loop(
@@ -193,3 +199,18 @@ def test_parameter_without_gradient_is_not_updated():
         model, mse, (x, y), batch_size=6, steps=3, workers=1, optimizer=adam, progress=False
     )
     assert torch.equal(result.model.unused, torch.ones(2))
+
+
+def test_all_finite_matches_the_elementwise_check():
+    from towers._sync import all_finite
+
+    big = torch.full((4,), 3e38)  # finite, but its float32 sum overflows
+    cases = [torch.zeros(0), torch.randn(1000), big, torch.arange(5)]
+    for bad in (math.nan, math.inf, -math.inf):
+        t = torch.randn(1000)
+        t[617] = bad
+        cases.append(t)
+    both = torch.tensor([math.inf, -math.inf])  # sums to nan
+    for t in [*cases, both, big.double()]:
+        expected = bool(torch.isfinite(t).all())
+        assert all_finite(t) == expected, t

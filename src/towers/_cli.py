@@ -1,4 +1,4 @@
-"""The ``towers`` command: ``towers demo``, ``towers compare``, ``towers run``."""
+"""The ``towers`` command: ``towers demo``, ``towers compare``, ``towers run``, ``towers bench``."""
 
 from __future__ import annotations
 
@@ -145,6 +145,62 @@ def _run(args: argparse.Namespace) -> int:
     return run_script(args.script, args.nproc, args.script_args, addr=args.addr, port=args.port)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from ._bench import ARMS, BenchConfig, quick, run
+    from ._bench_report import table, write
+
+    options: dict = {"workers": args.workers}
+    for key, least in (("steps", 1), ("warmup", 0), ("repeats", 1)):
+        value = getattr(args, key)
+        if value is not None and value < least:
+            print(f"towers bench: --{key} must be >= {least}, got {value}", file=sys.stderr)
+            return 2
+        if value is not None:
+            options[key] = value
+    if args.models:
+        options["models"] = tuple(args.models.split(","))
+    if args.arms:
+        unknown = set(args.arms.split(",")) - set(ARMS)
+        if unknown:
+            print(f"towers bench: unknown arms {sorted(unknown)}; known: {ARMS}", file=sys.stderr)
+            return 2
+        options["arms"] = tuple(args.arms.split(","))
+    if args.buckets is not None:
+        options["bucket_mib"] = tuple(float(b) for b in args.buckets.split(",") if b)
+    if args.no_sweep:
+        options["sweep_bytes"] = ()
+    cfg = quick(**options) if args.quick else BenchConfig(**options)
+    results = run(cfg, log=lambda line: print(line, flush=True))
+    paths = write(results, Path(args.out))
+    print("\n" + table(results))
+    print("\n" + "\n".join(f"{kind}: {path.resolve()}" for kind, path in paths.items()))
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="step times against one process and DDP, and an all-reduce sweep",
+        description="Train the same model on the same global batches in every arm (one process "
+        "with 1 and N threads, N processes without averaging, DDP over Gloo, towers on each "
+        "transport, towers async), interleaved repeats, medians; then time all-reduces of 4 KB "
+        "to 64 MB on each transport next to memcpy. Writes bench.json, bench.txt, sweep.png.",
+    )
+    bench.add_argument("-n", "--workers", type=int, default=2, help="workers (default 2)")
+    bench.add_argument("--models", default=None, help="comma-separated: mlp,cnn (default both)")
+    bench.add_argument("--arms", default=None, help="comma-separated subset of the arms")
+    bench.add_argument("--steps", type=int, default=None, help="timed steps per run (20)")
+    bench.add_argument("--warmup", type=int, default=None, help="untimed steps first (5)")
+    bench.add_argument("--repeats", type=int, default=None, help="interleaved repeats (3)")
+    bench.add_argument(
+        "--buckets", default=None, help="extra towers-shm bucket sizes in MiB (default 1,25)"
+    )
+    bench.add_argument("--no-sweep", action="store_true", help="skip the all-reduce sweep")
+    bench.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
+    bench.add_argument("--out", default="towers-bench", help="output directory (%(default)s)")
+    bench.set_defaults(func=_bench)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="towers", description="Data-parallel training of PyTorch models."
@@ -204,6 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--addr", default="127.0.0.1", help="rendezvous address (default loopback)")
     run.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     run.set_defaults(func=_run)
+    _add_bench(sub)
     return parser
 
 

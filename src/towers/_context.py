@@ -18,10 +18,11 @@ from torch import nn
 
 from . import _checkpoint
 from ._comm import Comm, DistComm, LocalComm
+from ._shm import ShmComm, ShmUnavailable
 from ._split import batch_size, map_batch, split
 from ._sync import DEFAULT_BUCKET_BYTES, GradientSync, StepResult, broadcast_module
 from ._sync import verify_same_model as _verify
-from ._world import init_process_group, launched_env
+from ._world import DEFAULT_TIMEOUT, init_process_group, launched_env
 
 __all__ = ["Context", "check_loss", "init"]
 
@@ -226,6 +227,8 @@ class Context:
         if self._sync is not None:
             self._sync.remove()
             self._sync = None
+        if isinstance(self.comm, ShmComm):
+            self.comm.close()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
@@ -241,7 +244,12 @@ class Context:
         self.close()
 
 
-def init(*, backend: str | None = None, timeout: float | None = None) -> Context:
+TRANSPORTS = ("auto", "shm", "gloo", "nccl")
+
+
+def init(
+    *, backend: str | None = None, timeout: float | None = None, transport: str | None = None
+) -> Context:
     """Join the job this process was launched into and return its :class:`Context`.
 
     Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
@@ -254,11 +262,21 @@ def init(*, backend: str | None = None, timeout: float | None = None) -> Context
         timeout: seconds a rank may wait for the others (rendezvous or a collective) before
             the job fails; default 60. A dead or stuck worker thus ends the job instead of
             hanging it.
+        transport: how gradients are averaged: ``"shm"`` (shared memory; every rank on this
+            host, CPU tensors), ``"gloo"``/``"nccl"`` (the process group), or ``"auto"``
+            (default, or the ``TOWERS_TRANSPORT`` environment variable): shared memory where it
+            applies, the process group otherwise. Every rank must ask for the same one.
 
     Example:
         >>> ctx = towers.init()
         >>> model = ctx.replicate(build_model())  # doctest: +SKIP
     """
+    if transport is None:
+        transport = os.environ.get("TOWERS_TRANSPORT") or "auto"
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+    if transport != "auto":
+        backend = backend or ("gloo" if transport == "shm" else transport)
     if not launched_env():
         return Context(LocalComm())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -268,4 +286,24 @@ def init(*, backend: str | None = None, timeout: float | None = None) -> Context
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    return Context(DistComm(group), local_rank, device, owns_group)
+    return Context(_comm(DistComm(group), transport, timeout), local_rank, device, owns_group)
+
+
+def _comm(base: DistComm, transport: str, timeout: float | None) -> Comm:
+    """Shared memory when asked for, or when ``auto`` and it applies; else the process group."""
+    if transport in ("gloo", "nccl") or base.world_size == 1:
+        return base
+    gloo = dist.get_backend(base.group) == "gloo"
+    if transport == "auto" and not gloo:
+        return base
+    if transport == "shm" and not gloo:
+        raise ValueError(
+            f"transport='shm' averages CPU tensors; this job runs on "
+            f"{dist.get_backend(base.group)} (GPU): use transport='auto' or 'nccl'"
+        )
+    try:
+        return ShmComm(base, timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
+    except ShmUnavailable as exc:
+        if transport == "shm":
+            raise RuntimeError(f"transport='shm' is not available: {exc}") from None
+        return base

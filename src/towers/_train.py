@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import _checkpoint
-from ._context import Context, check_loss, init
+from ._context import TRANSPORTS, Context, check_loss, init
 from ._data import BatchOrder, batches_per_epoch, global_batches, num_samples, take
 from ._modes import Mode, parse_mode
 from ._report import Reporter
@@ -124,6 +124,7 @@ class _Spec:
     checkpoint_every: int
     every_rank: bool  # every rank returns the result (launched jobs), not only rank 0
     straggle: dict[int, float] = field(default_factory=dict)  # tower -> slowdown factor
+    transport: str | None = None
     resume: dict[str, Any] | None = None  # the checkpoint to start from, read by the caller
 
 
@@ -205,6 +206,7 @@ def train(
     checkpoint_every: int = 100,
     max_restarts: int = 0,
     straggle: dict[int, float] | None = None,
+    transport: str | None = None,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -268,6 +270,9 @@ def train(
         straggle: ``{tower: factor}`` makes those towers take ``factor`` times as long per shard
             (they sleep ``factor - 1`` times their compute time), in every mode: a straggler for
             experiments such as ``towers compare``.
+        transport: how sync workers average: ``"shm"`` (shared memory, local CPU workers),
+            ``"gloo"``, ``"nccl"``, or ``"auto"`` (the default: shared memory when every worker
+            is on this host with CPU tensors); also set by ``TOWERS_TRANSPORT``.
 
     Returns:
         A :class:`TrainResult`.
@@ -312,6 +317,8 @@ def train(
         )
     total_steps = steps if steps is not None else epochs * batches_per_epoch(n, batch_size)  # type: ignore[operator]
     parsed = parse_mode(mode)
+    if transport is not None and transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
     if log_dir is not None:
         try:
             importlib.import_module("torch.utils.tensorboard")
@@ -362,6 +369,7 @@ def train(
         checkpoint_every=checkpoint_every,
         every_rank=launched,
         straggle=straggle,
+        transport=transport,
     )
     with torch.random.fork_rng(devices=[]):
         _preflight(spec, workers)
@@ -447,7 +455,7 @@ def _check_straggle(straggle: Any, workers: int) -> dict[int, float]:
 
 
 def _worker(spec: _Spec) -> dict[str, Any] | None:
-    ctx = init(timeout=spec.timeout)
+    ctx = init(timeout=spec.timeout, transport=spec.transport)
     try:
         if spec.mode.name == "sync":
             return _sync_loop(ctx, spec)
