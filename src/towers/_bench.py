@@ -143,9 +143,8 @@ def _timed(step: Callable[[int], None], warmup: int, steps: int, sync: Callable[
     return (time.perf_counter() - start) / steps
 
 
-def _single(name: str, threads: int, warmup: int, steps: int) -> float:
-    torch.set_num_threads(threads)
-    model, batches = _build(name), _batches(name)
+def _plain(model: nn.Module, batches: list[Any], warmup: int, steps: int) -> float:
+    """Seconds per step of a plain loop (no communication) over ``batches``."""
     opt = _sgd(model.parameters())
 
     def step(i: int) -> None:
@@ -156,20 +155,16 @@ def _single(name: str, threads: int, warmup: int, steps: int) -> float:
     return _timed(step, warmup, steps, lambda: None)
 
 
+def _single(name: str, threads: int, warmup: int, steps: int) -> float:
+    torch.set_num_threads(threads)
+    return _plain(_build(name), _batches(name), warmup, steps)
+
+
 def _floor(name: str, warmup: int, steps: int) -> float:
     from ._split import split
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    model = _build(name)
-    shards = [split(b, world)[rank] for b in _batches(name)]
-    opt = _sgd(model.parameters())
-
-    def step(i: int) -> None:
-        opt.zero_grad(set_to_none=True)
-        ce_loss(model, shards[i % len(shards)]).backward()
-        opt.step()
-
-    return _timed(step, warmup, steps, lambda: None)
+    return _plain(_build(name), [split(b, world)[rank] for b in _batches(name)], warmup, steps)
 
 
 def _ddp(name: str, warmup: int, steps: int) -> float:
