@@ -1,4 +1,4 @@
-"""The repository keeps its promises: lint-clean, and CI runs the README's test command."""
+"""The repository keeps its promises: lint- and type-clean, CI runs the README's test command."""
 
 from __future__ import annotations
 
@@ -28,3 +28,16 @@ def test_ruff_check_and_format():
     for args in (["check", "."], ["format", "--check", "."]):
         out = subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    shutil.which("mypy") is None and not (ROOT / ".venv/bin/mypy").exists(),
+    reason="mypy is not installed",
+)
+def test_mypy():
+    mypy = shutil.which("mypy") or str(ROOT / ".venv/bin/mypy")
+    out = subprocess.run(
+        [mypy, "src/towers"], cwd=ROOT, capture_output=True, text=True, timeout=280
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

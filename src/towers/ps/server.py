@@ -35,7 +35,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -336,7 +336,7 @@ class Server:
         per_msg = [self.layout.grads(m, self.model) for m in msgs]
         grads: list[torch.Tensor | None] = []
         for i in range(len(params)):
-            present = [g[i] for g in per_msg if g[i] is not None]
+            present = [g for grads_of_msg in per_msg if (g := grads_of_msg[i]) is not None]
             if not present:
                 grads.append(None)
                 continue
@@ -398,15 +398,15 @@ class Server:
                 for i, t in enumerate(self.layout.tensors(self.model)):
                     if t.is_floating_point():
                         # float64 sums: a single contributor comes back bit for bit
-                        acc = sum(v[i].double() * w for v, w in views if w > 0)
-                        t.copy_(acc / total)  # type: ignore[operator]
+                        acc = cast(torch.Tensor, sum(v[i].double() * w for v, w in views if w > 0))
+                        t.copy_(acc / total)
                     else:  # integer buffers (e.g. BatchNorm's counter): the busiest worker's
                         t.copy_(self.layout.values(heaviest, self.model)[i])
         self.version += 1
         self.averaged = True
-        for t in self.submitted:
-            self.idle.add(t)
-            self.fresh.add(t)
+        for tower in self.submitted:
+            self.idle.add(tower)
+            self.fresh.add(tower)
         self.submitted.clear()
         if self.done == self.steps:
             self.final = True
