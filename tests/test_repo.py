@@ -41,3 +41,21 @@ def test_mypy():
         [mypy, "src/towers"], cwd=ROOT, capture_output=True, text=True, timeout=280
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_readme_train_example_runs(tmp_path):
+    import os
+    import sys
+
+    readme = (ROOT / "README.md").read_text()
+    example = tmp_path / "example.py"
+    example.write_text(re.findall(r"```python\n(.*?)```", readme, re.S)[0])
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(
+        [sys.executable, str(example)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=110,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    final_loss, *_ = out.stdout.split()
+    assert float(final_loss) < 0.1  # the parabola is fit
