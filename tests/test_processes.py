@@ -160,3 +160,52 @@ def test_towers_run_starts_ranks_and_stops_them_when_one_fails(tmp_path):
     cmd = [sys.executable, "-m", "towers._cli", "run", str(tmp_path / "missing.py"), "-n", "2"]
     missing = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
     assert missing.returncode == 2 and "no such script" in missing.stderr
+
+
+TRAIN_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import sys
+    import torch
+    import towers
+
+    def loss_fn(model, shard):
+        x, y = shard
+        return (model(x) - y).square().mean()
+
+    if __name__ == "__main__":
+        torch.manual_seed(0)
+        x = torch.linspace(-2, 2, 40).unsqueeze(1)
+        r = towers.train(torch.nn.Linear(1, 1), loss_fn, (x, 3 * x), batch_size=8, steps=10,
+                         workers=2, progress=False)
+        rank = os.environ["RANK"]
+        if r.mode != "sync" or rank == "0":
+            sys.stdout.write(f"rank {rank} {r.mode} {r.workers} {len(r.staleness)}\\n")
+    """
+)
+
+
+@pytest.mark.timeout(90)
+def test_towers_run_mode_sets_the_mode_of_train(tmp_path):
+    script = tmp_path / "train_script.py"
+    script.write_text(TRAIN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": SRC}
+    base = [sys.executable, "-m", "towers._cli", "run", str(script), "-n", "2"]
+    sync = subprocess.run(base, env=env, capture_output=True, text=True, timeout=80)
+    assert sync.returncode == 0, sync.stderr
+    assert sync.stdout.split("\n")[0] == "rank 0 sync 2 0"
+    # --mode async: three processes, rank 0 the parameter server; every rank gets the result
+    run_async = subprocess.run(
+        [*base, "--mode", "async"], env=env, capture_output=True, text=True, timeout=80
+    )
+    assert run_async.returncode == 0, run_async.stderr
+    assert "rank 0 is the parameter server" in run_async.stderr
+    lines = sorted(run_async.stdout.splitlines())
+    assert lines == [f"rank {r} async 2 20" for r in range(3)]  # 10 batches x 2 shards
+
+
+@pytest.mark.timeout(60)
+def test_own_loop_refuses_an_asynchronous_towers_run_mode(monkeypatch):
+    monkeypatch.setenv("TOWERS_MODE", "async")
+    with pytest.raises(ValueError, match="--mode async, which applies to scripts that call"):
+        towers.init()

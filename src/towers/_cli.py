@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -135,14 +136,25 @@ def _run(args: argparse.Namespace) -> int:
     from ._launch import run_script
     from ._modes import parse_mode
 
-    mode = parse_mode(args.mode)
-    if mode.name != "sync":
-        print(f"towers run: mode {args.mode!r} is not available yet; use sync", file=sys.stderr)
+    try:
+        mode = parse_mode(args.mode)
+    except ValueError as exc:
+        print(f"towers run: {exc}", file=sys.stderr)
         return 2
     if not Path(args.script).is_file():
         print(f"towers run: no such script: {args.script}", file=sys.stderr)
         return 2
-    return run_script(args.script, args.nproc, args.script_args, addr=args.addr, port=args.port)
+    processes = args.nproc
+    if mode.name != "sync":
+        # towers.train in the script trains in this mode; the parameter server is rank 0
+        processes += 1
+        print(
+            f"towers run: mode {mode}: rank 0 is the parameter server, ranks 1..{args.nproc} "
+            "compute",
+            file=sys.stderr,
+        )
+    os.environ["TOWERS_MODE"] = str(mode)
+    return run_script(args.script, processes, args.script_args, addr=args.addr, port=args.port)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -256,7 +268,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("script")
     run.add_argument("-n", "--nproc", type=int, default=2, help="workers (default 2)")
-    run.add_argument("--mode", default="sync", help="training mode (default sync)")
+    run.add_argument(
+        "--mode",
+        default="sync",
+        help="mode for towers.train in the script (default sync); an asynchronous mode adds "
+        "the parameter server as rank 0",
+    )
     run.add_argument("--addr", default="127.0.0.1", help="rendezvous address (default loopback)")
     run.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     run.set_defaults(func=_run)

@@ -24,7 +24,7 @@ from ._sync import DEFAULT_BUCKET_BYTES, GradientSync, StepResult, broadcast_mod
 from ._sync import verify_same_model as _verify
 from ._world import DEFAULT_TIMEOUT, init_process_group, launched_env
 
-__all__ = ["Context", "check_loss", "init"]
+__all__ = ["Context", "check_loss", "init", "join"]
 
 Batch = TypeVar("Batch")
 
@@ -271,6 +271,20 @@ def init(
         >>> ctx = towers.init()
         >>> model = ctx.replicate(build_model())  # doctest: +SKIP
     """
+    mode = os.environ.get("TOWERS_MODE", "sync")
+    if mode != "sync":
+        raise ValueError(
+            f"this job was started with --mode {mode}, which applies to scripts that call "
+            "towers.train; the own-loop API (init/replicate/step) is synchronous: start the "
+            "script without --mode, or train with towers.train(..., mode=...)"
+        )
+    return join(backend=backend, timeout=timeout, transport=transport)
+
+
+def join(
+    *, backend: str | None = None, timeout: float | None = None, transport: str | None = None
+) -> Context:
+    """:func:`init` without the mode check: how ``towers.train``'s own workers join."""
     if transport is None:
         transport = os.environ.get("TOWERS_TRANSPORT") or "auto"
     if transport not in TRANSPORTS:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import _checkpoint
-from ._context import TRANSPORTS, check_loss, init
+from ._context import TRANSPORTS, check_loss, join
 from ._data import BatchOrder, batches_per_epoch, global_batches, num_samples, take
 from ._modes import Mode, parse_mode
 from ._split import _leaves, split
@@ -240,6 +240,7 @@ def train(
             parameters averaged, weighted by samples, every K steps and at the end);
             ``"backup:B"`` (synchronous; each step applies the first ``workers - B`` shards to
             arrive and drops the rest). A dead worker does not stop the asynchronous modes.
+            In a job started by ``towers run --mode M``, the default ``"sync"`` becomes ``M``.
         optimizer: ``params -> Optimizer``; default SGD with lr 0.01.
         lr_schedule: ``optimizer -> LRScheduler``, stepped once per global batch (in the
             asynchronous modes: before the first update from global batch k, it is stepped up
@@ -314,6 +315,9 @@ def train(
             + ("neither" if steps is None else "both")
         )
     total_steps = steps if steps is not None else epochs * batches_per_epoch(n, batch_size)  # type: ignore[operator]
+    launched = launched_env()
+    if launched and mode == "sync" and os.environ.get("TOWERS_MODE", "sync") != "sync":
+        mode = os.environ["TOWERS_MODE"]  # `towers run --mode M`
     parsed = parse_mode(mode)
     if transport is not None and transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
@@ -330,7 +334,6 @@ def train(
         _warn_non_finite(data)
     _check_picklable("model", model, "the model must be picklable (no lambdas or open files)")
 
-    launched = launched_env()
     server = 0 if parsed.name == "sync" else 1  # the parameter server is one more process
     if launched:
         world = int(os.environ["WORLD_SIZE"])
@@ -453,7 +456,7 @@ def _check_straggle(straggle: Any, workers: int) -> dict[int, float]:
 
 
 def _worker(spec: _Spec) -> dict[str, Any] | None:
-    ctx = init(timeout=spec.timeout, transport=spec.transport)
+    ctx = join(timeout=spec.timeout, transport=spec.transport)
     try:
         if spec.mode.name == "sync":
             return sync_loop(ctx, spec)
