@@ -474,9 +474,9 @@ def _check_resumable(spec: _Spec, state: dict[str, Any], workers: int) -> None:
             f"{str(spec.mode)!r}; use another checkpoint directory"
         )
     if spec.mode.name == "sync":
-        BatchOrder(
-            num_samples(spec.data), spec.batch_size, spec.shuffle, spec.seed
-        ).load_state_dict(state["data"])
+        BatchOrder(num_samples(spec.data), spec.batch_size, spec.shuffle, spec.seed).check_config(
+            state["data"]
+        )
     else:
         from .ps import check_resumable
 

@@ -40,7 +40,7 @@ from typing import Any, cast
 import torch
 
 from .. import _checkpoint
-from .._data import num_samples
+from .._data import batches_per_epoch, num_samples
 from .._report import Reporter
 from .._split import shard_sizes
 from . import _resume
@@ -72,8 +72,7 @@ class _Shard:
 
 def _batch_len(step: int, n: int, batch_size: int) -> int:
     """Samples in global batch ``step``: DataLoader keeps the smaller last batch of an epoch."""
-    per_epoch = math.ceil(n / batch_size)
-    return min(batch_size, n - (step % per_epoch) * batch_size)
+    return min(batch_size, n - (step % batches_per_epoch(n, batch_size)) * batch_size)
 
 
 class Server:
