@@ -24,7 +24,7 @@ from ._sync import DEFAULT_BUCKET_BYTES, GradientSync, StepResult, broadcast_mod
 from ._sync import verify_same_model as _verify
 from ._world import DEFAULT_TIMEOUT, init_process_group, launched_env
 
-__all__ = ["Context", "check_loss", "init", "join"]
+__all__ = ["Context", "backward_weighted", "check_loss", "init", "join"]
 
 Batch = TypeVar("Batch")
 
@@ -48,6 +48,17 @@ def check_loss(loss: Any, where: str = "loss_fn") -> None:
             f"{where} returned a tensor that does not depend on any trainable parameter "
             "(requires_grad is False); compute it from the model's output"
         )
+
+
+def backward_weighted(loss: torch.Tensor, samples: int) -> float:
+    """Backpropagate ``loss * samples`` and return that loss sum (``nan`` if not finite).
+
+    A tower's mean loss times its sample count: summed over towers and divided by the total
+    count, the gradients give the gradient of the mean loss over the whole global batch.
+    """
+    value = float(loss.detach())
+    (loss * samples).backward()
+    return value * samples if math.isfinite(value) else math.nan
 
 
 class Context:
@@ -122,10 +133,8 @@ class Context:
         if samples == 0 or loss is None:
             return
         check_loss(loss, "the loss passed to step()")
-        value = float(loss.detach())
-        self._acc_loss += value * samples if math.isfinite(value) else math.nan
+        self._acc_loss += backward_weighted(loss, samples)
         self._acc_samples += samples
-        (loss * samples).backward()
 
     def accumulate(self, loss: torch.Tensor, samples: int | None = None) -> None:
         """Backward a micro-batch's loss without communicating (gradient accumulation).

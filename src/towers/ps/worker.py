@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._context import backward_weighted
 from .._data import global_batches, num_samples, take
 from .._split import map_batch, split
 from ._wire import Kind, Layout, WorkerLink, read_header
@@ -95,10 +96,8 @@ def work(link: WorkerLink, spec: Any, tower: int, towers: int, device: torch.dev
             if len(m) == 0:
                 continue
             loss = spec.loss_fn(model, to_device(take(spec.data, m)))
-            value = float(loss.detach())
-            loss_sum += value * len(m) if math.isfinite(value) else math.nan
+            loss_sum += backward_weighted(loss, len(m))
             samples += len(m)
-            (loss * len(m)).backward()
         finite = layout.write_grads(out, model) and math.isfinite(loss_sum)
         _straggle(factor, time.perf_counter() - began)
 
