@@ -456,7 +456,13 @@ def _check_straggle(straggle: Any, workers: int) -> dict[int, float]:
 
 
 def _worker(spec: _Spec) -> dict[str, Any] | None:
-    ctx = join(timeout=spec.timeout, transport=spec.transport)
+    # The parameter server talks over its own point-to-point group: a shared-memory segment
+    # for collectives would go unused in the asynchronous modes, so they take the process
+    # group's own backend, as "auto" would choose it.
+    transport = spec.transport
+    if spec.mode.name != "sync":
+        transport = "nccl" if torch.cuda.is_available() else "gloo"
+    ctx = join(timeout=spec.timeout, transport=transport)
     try:
         if spec.mode.name == "sync":
             return sync_loop(ctx, spec)
