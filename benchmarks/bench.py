@@ -6,19 +6,19 @@ Run it from the repository root::
     python benchmarks/bench.py --quick --out /tmp/bench      # a smoke run, under a minute
     python benchmarks/bench.py -n 4 --models mlp --no-sweep
 
-The suite itself lives in the package (``towers._bench``, reports in ``towers._bench_report``)
-so that ``towers bench`` works wherever towers is installed, and so that its worker functions
-can be sent to worker processes by reference. Import ``run`` and ``BenchConfig`` from here to
-drive it from Python.
+The suite itself lives in the package (``towers.tools.bench``, reports in
+``towers.tools.bench_report``) so that ``towers bench`` works wherever towers is installed, and
+so that its worker functions can be sent to worker processes by reference. Import ``run`` and
+``BenchConfig`` from here to drive it from Python.
 """
 
 from __future__ import annotations
 
 import sys
 
-from towers._bench import ARMS, BenchConfig, quick, run
-from towers._bench_report import table, write
-from towers._cli import main
+from towers.tools.bench import ARMS, BenchConfig, quick, run
+from towers.tools.bench_report import table, write
+from towers.tools.cli import main
 
 __all__ = ["ARMS", "BenchConfig", "quick", "run", "table", "write"]
 

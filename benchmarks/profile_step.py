@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 import towers
-from towers import _bench as bench
-from towers import _shm
-from towers._comm import DistComm
-from towers._context import Context
-from towers._world import init_process_group
+from towers.comm import shm as _shm
+from towers.comm.base import DistComm
+from towers.comm.group import init_process_group
+from towers.engines.sync.step import SyncStep
+from towers.tools import bench
 
 PHASES = ("forward", "backward", "average", "optimizer", "step", "sums", "barrier waits")
 
@@ -74,16 +74,18 @@ def _comm(setting: str) -> Any:
 def _worker(name: str, setting: str, warmup: int, steps: int) -> list[float]:
     _Clock.install()
     init_process_group("gloo")
-    ctx = Context(_comm(setting))
-    model = ctx.replicate(bench._build(name))
-    shards = list(ctx.shards(bench._batches(name)))
+    comm = _comm(setting)
+    step = SyncStep(comm, torch.device("cpu"))
+    model = step.replicate(bench._build(name))
+    world, rank = comm.world_size, comm.rank
+    shards = [towers.split(b, world)[rank] for b in bench._batches(name)]
     opt = bench._sgd(model.parameters())
-    sync = ctx._sync
+    sync = step.sync
     assert sync is not None
     phases = [0.0] * 4
     for i in range(warmup + steps):
         if i == warmup:
-            ctx.barrier()
+            comm.barrier()
             phases, _Clock.sums, _Clock.waits = [0.0] * 4, 0.0, 0.0
             start = time.perf_counter()
         x, y = shards[i % len(shards)]
@@ -105,9 +107,10 @@ def _worker(name: str, setting: str, warmup: int, steps: int) -> list[float]:
         t4 = time.perf_counter()
         for k, d in enumerate((t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             phases[k] += d
-    ctx.barrier()
+    comm.barrier()
     total = time.perf_counter() - start
-    ctx.close()
+    step.remove()
+    comm.close()
     dist.destroy_process_group()
     return [1e3 * v / steps for v in (*phases, total, _Clock.sums, _Clock.waits)]
 

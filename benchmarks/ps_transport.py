@@ -1,9 +1,10 @@
 """Parameter-server transports: round-trip latency, and what a dead worker does to the server.
 
 Compares Gloo point-to-point messages (one receiving thread per worker on the server, as
-``towers.ps`` does) with ``torch.distributed.rpc`` (TensorPipe). Each client sends a 64-float
-message and waits for the reply, ``--rounds`` times; the server echoes. With ``--kill``, client 1
-kills itself (SIGKILL) a third of the way through and the script reports how the server noticed.
+``towers.engines.ps`` does) with ``torch.distributed.rpc`` (TensorPipe). Each client sends a
+64-float message and waits for the reply, ``--rounds`` times; the server echoes. With
+``--kill``, client 1 kills itself (SIGKILL) a third of the way through and the script reports
+how the server noticed.
 
     python benchmarks/ps_transport.py --clients 1 4
     python benchmarks/ps_transport.py --clients 2 --kill

@@ -29,7 +29,6 @@ import argparse
 import functools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 import towers
+from towers.tools.zoo import CIFAR, CNN, DIGITS, cross_entropy
 
 CIFAR_SIDE = 32
 CIFAR_RECORD = 1 + 3 * CIFAR_SIDE * CIFAR_SIDE  # a label byte, then the red, green, blue planes
@@ -77,57 +77,6 @@ def load_cifar10_bin(paths: Sequence[str | Path]) -> tuple[torch.Tensor, torch.T
         raise ValueError(f"label {labels.max().item()} found; CIFAR-10 labels are 0-9")
     pixels = torch.from_numpy(table[:, 1:].copy()).view(-1, 3, CIFAR_SIDE, CIFAR_SIDE)
     return pixels.float() / 255.0, labels
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A CNN's layer sizes, so one structure serves 8x8 digits and 32x32 CIFAR images."""
-
-    channels: int  # of the input
-    side: int  # input height and width
-    conv: tuple[int, int]  # output channels of the two conv blocks
-    kernel: int
-    fc: tuple[int, int]  # widths of the two hidden fully connected layers
-
-
-DIGITS = Shape(channels=1, side=8, conv=(32, 64), kernel=3, fc=(128, 64))
-# The trainer's own sizes: 64-channel 5x5 convolutions, then 384 and 192 units.
-CIFAR = Shape(channels=3, side=32, conv=(64, 64), kernel=5, fc=(384, 192))
-
-
-class CNN(nn.Module):
-    """Two conv-relu-pool blocks, two relu fully connected layers, a linear classifier."""
-
-    def __init__(self, shape: Shape, classes: int = 10) -> None:
-        super().__init__()
-        c1, c2 = shape.conv
-        pad = shape.kernel // 2  # "same" padding: only the pools shrink the image
-        self.features = nn.Sequential(
-            nn.Conv2d(shape.channels, c1, shape.kernel, padding=pad),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(c1, c2, shape.kernel, padding=pad),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-        )
-        f1, f2 = shape.fc
-        self.classifier = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(c2 * (shape.side // 4) ** 2, f1),
-            nn.ReLU(),
-            nn.Linear(f1, f2),
-            nn.ReLU(),
-            nn.Linear(f2, classes),
-        )
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(images))
-
-
-def tower_loss(model: nn.Module, shard: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The mean cross-entropy over this tower's shard (towers weights it by the shard's size)."""
-    images, labels = shard
-    return nn.functional.cross_entropy(model(images), labels)
 
 
 @torch.no_grad()
@@ -217,7 +166,7 @@ def main() -> None:
     start = time.perf_counter()
     result = towers.train(
         model,
-        tower_loss,
+        cross_entropy,  # the mean over each tower's shard; towers weights it by the shard's size
         (x_train, y_train),
         batch_size=args.batch_size,
         epochs=epochs,

@@ -1,9 +1,10 @@
 """Fit y = x^2 with a 1-5-1 tanh network, on one tower and on four: the same training.
 
 The network, data, loss and optimizer are those of the "TensorFlow averaging minibatch gradients
-in parallel" question: 50 points of the parabola on [-2, 2], weights and biases drawn from
-N(0, 1) (``tf.random_normal``), the mean over samples of the summed squared error, plain SGD with
-lr 0.01, 2000 steps of the full batch. The question asks for exactly what ``towers.train`` does
+in parallel" question (the network and loss are ``towers.tools.zoo``'s ``Parabola`` and
+``parabola_loss``): 50 points of the parabola on [-2, 2], weights and biases drawn from N(0, 1)
+(``tf.random_normal``), the mean over samples of the summed squared error, plain SGD with lr
+0.01, 2000 steps of the full batch. The question asks for exactly what ``towers.train`` does
 in sync mode: split the batch over P processes, bring the gradients back, average, apply.
 
 Run it::
@@ -23,27 +24,7 @@ import torch
 from torch import nn
 
 import towers
-
-
-class Net(nn.Module):
-    """1-5-1 with a tanh hidden layer, every weight and bias from N(0, 1)."""
-
-    def __init__(self, hidden: int = 5) -> None:
-        super().__init__()
-        self.hidden = nn.Linear(1, hidden)
-        self.out = nn.Linear(hidden, 1)
-        for p in self.parameters():
-            nn.init.normal_(p, mean=0.0, std=1.0)  # tf.random_normal, not PyTorch's default
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.hidden(x)))
-
-
-def loss_fn(model: nn.Module, shard: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    # reduce_mean(reduce_sum(square(ys - prediction), axis=1)): sum over outputs, mean over
-    # samples. The mean over the shard is what towers expects; it weights towers by their size.
-    x, y = shard
-    return (y - model(x)).square().sum(dim=1).mean()
+from towers.tools.zoo import Parabola, parabola_loss
 
 
 def fit(
@@ -51,7 +32,7 @@ def fit(
 ) -> towers.TrainResult:
     return towers.train(
         model,
-        loss_fn,
+        parabola_loss,  # the seed's loss: summed over outputs, the mean over the shard
         data,
         batch_size=len(data[0]),  # the full batch every step, as in the question
         steps=steps,
@@ -72,7 +53,7 @@ def main() -> None:
     x = torch.linspace(-2.0, 2.0, args.points).unsqueeze(1)
     data = (x, x.square())
     torch.manual_seed(args.seed)
-    model = Net()  # train() copies it, so both runs start from these weights
+    model = Parabola()  # train() copies it, so both runs start from these weights
 
     results = {}
     for workers in (1, args.workers):

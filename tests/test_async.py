@@ -10,16 +10,19 @@ import functools
 import math
 import os
 import signal
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import descendants
 
 import towers
-from towers._checkpoint import checkpoint_files
-from towers._problems import Parabola, parabola_data, parabola_loss
-from towers.ps._wire import Kind, Layout, read_header
-from towers.ps.server import _KILL_ENV, _batch_len
-from towers.ps.worker import _Batches
+from towers.core.data import BatchCache, batch_len, global_batches
+from towers.engines.checkpoint import checkpoint_files
+from towers.engines.ps.wire import Kind, Layout, read_header
+from towers.tools.zoo import Parabola, parabola_data, parabola_loss
 
 STEPS = 300  # seed 003's parabola: 300 global batches of 50
 
@@ -69,6 +72,32 @@ def nan_loss(model, shard):
     return loss
 
 
+def kill_once_checkpointed(
+    directory: Path, step: int, name: str, marker: Path, limit: float = 60.0
+) -> threading.Thread:
+    """A thread that SIGKILLs this test's process called ``name`` (as ``ps`` shows it) once a
+    checkpoint of ``step`` or later exists in ``directory``, and writes ``marker``."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if any(s >= step for s, _ in checkpoint_files(directory)):
+                for pid in descendants():
+                    try:
+                        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                    except OSError:
+                        continue
+                    if comm == name:
+                        os.kill(pid, signal.SIGKILL)
+                        marker.write_text(f"killed {name} (pid {pid})")
+                        return
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
 # -- pure parts -------------------------------------------------------------------------------
 
 
@@ -105,15 +134,10 @@ def test_layout_reports_non_finite_gradients():
 
 def test_batch_sizes_and_indices_match_the_sync_order():
     n, bs = 23, 5
-    order = towers._data.global_batches(n, bs, True, 3)
+    order = global_batches(n, bs, True, 3)
     expected = [next(order) for _ in range(12)]
-    assert [_batch_len(k, n, bs) for k in range(12)] == [len(b) for b in expected]
-
-    class Spec:
-        data = torch.zeros(n, 1)
-        batch_size, shuffle, seed = bs, True, 3
-
-    batches = _Batches(Spec())
+    assert [batch_len(k, n, bs) for k in range(12)] == [len(b) for b in expected]
+    batches = BatchCache(n, bs, True, 3)
     for k in [0, 4, 2, 11, 1, 5]:  # out of order, as requeued shards come
         assert torch.equal(batches.get(k), expected[k])
 
@@ -209,15 +233,14 @@ def test_a_killed_worker_does_not_stop_training(mode):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["async", "ssp:1", "local:4", "backup:1"])
-def test_a_killed_server_is_resumed_from_its_checkpoint(
-    mode, sync_reference, tmp_path, monkeypatch
-):
-    # The server SIGKILLs itself after 130 global batches, once (the marker file remembers);
-    # the newest checkpoint is then that of batch 100 (local:4: the first average after it).
+def test_a_killed_server_is_resumed_from_its_checkpoint(mode, sync_reference, tmp_path):
+    # The test kills the server (SIGKILL) once, as soon as its checkpoint of batch 100 exists
+    # (local:4: the first average after it), as a lost server machine would end it.
     marker = tmp_path / "killed"
-    monkeypatch.setenv(_KILL_ENV, f"130:{marker}")
+    killer = kill_once_checkpointed(tmp_path / "ckpt", 100, "towers-server", marker)
     with pytest.warns(RuntimeWarning, match=r"WorkerError: worker 0 .*SIGKILL.*restart 1 of 1"):
         r = _train(mode, 4, checkpoint=tmp_path / "ckpt", checkpoint_every=50, max_restarts=1)
+    killer.join()
     assert marker.exists() and r.restarts == 1
     # every global batch trained, and recorded, once
     assert r.steps == STEPS and len(r.losses) == STEPS and len(r.times) == STEPS
@@ -282,7 +305,7 @@ def test_backup_drops_the_straggler_late_shards():
 
 @pytest.mark.timeout(90)
 def test_compare_prints_every_mode_with_and_without_the_straggler(tmp_path, capsys):
-    from towers._cli import main
+    from towers.tools.cli import main
 
     png = tmp_path / "loss.png"
     argv = ["compare", "-n", "2", "--steps", "15", "--modes", "sync,async", "--out", str(png)]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from towers._cli import main
+from towers.tools.cli import main
 
 
 @pytest.mark.timeout(120)

@@ -12,7 +12,7 @@ import torch
 from helpers import assert_close_lists, assert_same_parameters, make_net, mse, regression_data
 
 import towers
-from towers import _checkpoint
+from towers.engines import checkpoint as _checkpoint
 
 ADAM = functools.partial(torch.optim.Adam, lr=0.05)
 DECAY = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.7)
@@ -81,7 +81,7 @@ def test_checkpoints_hold_no_arbitrary_objects(tmp_path):
         pytest.warns(RuntimeWarning, match="cannot be read"),
         pytest.raises(RuntimeError, match=r"no checkpoint .* can be read"),
     ):
-        _checkpoint.load_latest(tmp_path)
+        _checkpoint.load_latest(tmp_path, "loop")
 
 
 def test_checkpoint_mismatch_is_refused(tmp_path):
@@ -143,7 +143,7 @@ def test_own_loop_resumes_under_torchrun_max_restarts(tmp_path):
     import subprocess
     import sys
 
-    from towers._world import free_port
+    from towers.comm.net import free_port
 
     scripts = Path(__file__).parent / "scripts"
     src = str(Path(__file__).resolve().parents[1] / "src")
@@ -171,3 +171,30 @@ def test_own_loop_resumes_under_torchrun_max_restarts(tmp_path):
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     for name, p in reference.state_dict().items():
         torch.testing.assert_close(final[name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_a_directory_of_the_other_kind_is_refused(tmp_path):
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx = towers.init()
+    ctx.save_checkpoint(tmp_path / "loop", 3, model, opt)
+    with pytest.raises(ValueError, match=r"holds checkpoints of an own training loop .*, not of "):
+        run(6, workers=1, checkpoint=tmp_path / "loop")
+    run(2, workers=1, checkpoint=tmp_path / "train")
+    with pytest.raises(ValueError, match=r"holds checkpoints of towers.train in sync mode"):
+        ctx.load_checkpoint(tmp_path / "train", model, opt)
+    ctx.close()
+
+
+def test_checkpoints_of_the_first_format_are_read(tmp_path):
+    """Files written before the header named its kind (format 1) still resume."""
+    whole = run(6, workers=1)
+    run(4, workers=1, checkpoint=tmp_path)
+    state = torch.load(tmp_path / "step-00000004.pt", weights_only=True)
+    old = {k: v for k, v in state.items() if k not in ("kind", "version", "scheduled")}
+    old["format"] = 1
+    old["history"] = old.pop("record")
+    for path in tmp_path.iterdir():
+        path.unlink()
+    torch.save(old, tmp_path / "step-00000004.pt")
+    assert_same_run(run(6, workers=1, checkpoint=tmp_path), whole)

@@ -89,7 +89,7 @@ def test_own_loop_single_process(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_own_loop_under_towers_run(tmp_path: Path) -> None:
-    args = ["-m", "towers._cli", "run", str(EXAMPLES / "own_loop.py"), "-n", "2", "--"]
+    args = ["-m", "towers", "run", str(EXAMPLES / "own_loop.py"), "-n", "2", "--"]
     result = run([sys.executable, *args, "--steps", "100"], tmp_path, timeout=50)
     assert result.returncode == 0, result.stdout
     assert "OK: 2 tower(s) match the plain loop" in result.stdout

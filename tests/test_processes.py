@@ -19,7 +19,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def env_report():
-    import towers._world as w
+    import towers.processes.env as w
 
     return {k: os.environ.get(k) for k in w.ENV_KEYS}, torch.get_num_threads()
 
@@ -148,16 +148,16 @@ def test_towers_run_starts_ranks_and_stops_them_when_one_fails(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": SRC}
-    cmd = [sys.executable, "-m", "towers._cli", "run", str(script), "-n", "3", "--", "--x", "1"]
+    cmd = [sys.executable, "-m", "towers", "run", str(script), "-n", "3", "--", "--x", "1"]
     ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
     assert ok.returncode == 0, ok.stderr
     for rank in range(3):
         assert f"rank {rank} of 3 args ['--x', '1']" in ok.stdout
-    cmd = [sys.executable, "-m", "towers._cli", "run", str(script), "-n", "3", "--", "--fail"]
+    cmd = [sys.executable, "-m", "towers", "run", str(script), "-n", "3", "--", "--fail"]
     failed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
     assert failed.returncode == 3
     assert "rank 1 failed with exit code 3" in failed.stderr
-    cmd = [sys.executable, "-m", "towers._cli", "run", str(tmp_path / "missing.py"), "-n", "2"]
+    cmd = [sys.executable, "-m", "towers", "run", str(tmp_path / "missing.py"), "-n", "2"]
     missing = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
     assert missing.returncode == 2 and "no such script" in missing.stderr
 
@@ -190,7 +190,7 @@ def test_towers_run_mode_sets_the_mode_of_train(tmp_path):
     script = tmp_path / "train_script.py"
     script.write_text(TRAIN_SCRIPT)
     env = {**os.environ, "PYTHONPATH": SRC}
-    base = [sys.executable, "-m", "towers._cli", "run", str(script), "-n", "2"]
+    base = [sys.executable, "-m", "towers", "run", str(script), "-n", "2"]
     sync = subprocess.run(base, env=env, capture_output=True, text=True, timeout=80)
     assert sync.returncode == 0, sync.stderr
     assert sync.stdout.split("\n")[0] == "rank 0 sync 2 0"

@@ -11,7 +11,7 @@ import pytest
 from helpers import make_net, mse, regression_data
 
 import towers
-from towers._world import free_port
+from towers.comm.net import free_port
 
 CALLS = {"n": 0}
 

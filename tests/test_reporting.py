@@ -127,7 +127,7 @@ def test_tensorboard_scalars_of_the_asynchronous_modes(tmp_path, mode):
 @pytest.mark.timeout(120)
 def test_demo_prints_a_table_and_writes_the_plot(tmp_path):
     png = tmp_path / "curves.png"
-    cmd = [sys.executable, "-m", "towers._cli", "demo", "--steps", "200", "--out", str(png)]
+    cmd = [sys.executable, "-m", "towers", "demo", "--steps", "200", "--out", str(png)]
     env = {**os.environ, "PYTHONPATH": SRC}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110, cwd=tmp_path)
     assert out.returncode == 0, out.stderr

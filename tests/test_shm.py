@@ -14,9 +14,9 @@ import torch.distributed as dist
 from helpers import Net, mse
 
 import towers
-from towers._comm import DistComm
-from towers._shm import SHM_DIR, SMALL_BYTES, ShmComm
-from towers._world import init_process_group
+from towers.comm.base import DistComm
+from towers.comm.group import init_process_group
+from towers.comm.shm import SHM_DIR, SMALL_BYTES, ShmComm
 
 
 def _ours() -> set[str]:
@@ -173,7 +173,7 @@ def _full_shm(*args):
 
 def _short_of_shared_memory(when: str) -> Any:
     """Train 3 steps with /dev/shm full from the start, or only once the comm exists."""
-    import towers._shm as shm
+    import towers.comm.segment as shm
 
     if when == "start":
         shm.os.posix_fallocate = _full_shm

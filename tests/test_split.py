@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from towers import split
-from towers._split import shard_sizes
+from towers.core.split import shard_sizes
 
 
 def test_sizes_differ_by_at_most_one_larger_first():

@@ -202,7 +202,7 @@ def test_parameter_without_gradient_is_not_updated():
 
 
 def test_all_finite_matches_the_elementwise_check():
-    from towers._sync import all_finite
+    from towers.core.step import all_finite
 
     big = torch.full((4,), 3e38)  # finite, but its float32 sum overflows
     cases = [torch.zeros(0), torch.randn(1000), big, torch.arange(5)]

@@ -9,7 +9,7 @@ import torch
 from helpers import make_net, mse, regression_data
 
 import towers
-import towers._train
+import towers.api.train
 
 
 @pytest.fixture(autouse=True)
@@ -17,7 +17,7 @@ def no_spawn(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a worker process was started")
 
-    monkeypatch.setattr(towers._train, "spawn", refuse)
+    monkeypatch.setattr(towers.api.train, "spawn", refuse)
 
 
 DATA = regression_data(20)

@@ -2,17 +2,21 @@
 
 A global batch is split into towers; each tower computes its loss and gradients on its shard
 with the same weights; the gradients are combined synchronously (a sample-weighted average, one
-update per step). Runs on one machine with no setup (local worker processes over loopback) and
-on clusters through ``torch.distributed`` under ``torchrun``.
+update per step) or asynchronously (a parameter server). Runs on one machine with no setup
+(local worker processes over loopback) and on clusters through ``torch.distributed`` under
+``torchrun``.
+
+The names below are the public API; the subpackages are internal (docs/architecture.md).
 """
 
-from ._average import average_gradients
-from ._context import Context, init
-from ._parallel import make_parallel
-from ._split import split
-from ._sync import StepResult
-from ._train import TrainResult, train
-from ._world import WorkerError, spawn
+from .api.context import Context, init
+from .api.result import TrainResult
+from .api.train import train
+from .core.average import average_gradients
+from .core.parallel import make_parallel
+from .core.split import split
+from .core.step import StepResult
+from .processes.spawn import WorkerError, spawn
 
 __all__ = [
     "Context",

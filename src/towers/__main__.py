@@ -1,0 +1,7 @@
+"""``python -m towers``: the ``towers`` command."""
+
+import sys
+
+from .tools.cli import main
+
+sys.exit(main())

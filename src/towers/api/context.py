@@ -1,0 +1,229 @@
+"""The low-level API for users who keep their own training loop: ``towers.init()``.
+
+A script written against it runs unchanged as ``python script.py`` (one tower), under
+``towers run script.py -n N`` and under ``torchrun --nproc-per-node N script.py``. The step
+itself is the synchronous engine's (:class:`~towers.engines.sync.step.SyncStep`), the same one
+``towers.train`` uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from ..comm.base import Comm
+from ..comm.group import Connection, connect
+from ..core.split import batch_size, map_batch, split
+from ..core.step import StepResult
+from ..engines import checkpoint
+from ..engines.replica import backward_weighted, check_loss, cpu_state
+from ..engines.sync.gradsync import DEFAULT_BUCKET_BYTES
+from ..engines.sync.step import SyncStep
+
+__all__ = ["Context", "init"]
+
+Batch = TypeVar("Batch")
+
+
+class Context:
+    """This process's place in the job and the synchronous step.
+
+    Get one from :func:`towers.init`. Attributes: ``rank``, ``world_size``, ``local_rank``,
+    ``device`` (``cuda:LOCAL_RANK`` under NCCL, else CPU) and ``is_main`` (rank 0).
+    """
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
+        self.rank = conn.comm.rank
+        self.world_size = conn.comm.world_size
+        self.local_rank = conn.local_rank
+        self.device = conn.device
+        self.steps = 0
+        self._step = SyncStep(conn.comm, conn.device)
+        self._shard_samples: int | None = None
+
+    @property
+    def comm(self) -> Comm:
+        """The transport averaging runs on (shared memory, or the process group)."""
+        return self._conn.comm
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def replicate(self, model: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> nn.Module:
+        """Give every rank rank 0's parameters and buffers, and attach the averaging hooks.
+
+        Every rank must pass a model with the same parameter and buffer names and shapes; if one
+        differs, all ranks raise ``ValueError`` naming the first difference.
+
+        Returns:
+            ``model`` itself, moved to :attr:`device`.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"replicate() needs an nn.Module, got {type(model).__name__}")
+        return self._step.replicate(model, bucket_bytes)
+
+    def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """This tower's shard of each global batch (see :func:`towers.split`), on :attr:`device`.
+
+        The shard's sample count is remembered and used by the next :meth:`step` as its weight.
+        """
+        for batch in batches:
+            shard = split(batch, self.world_size)[self.rank]
+            self._shard_samples = batch_size(shard)
+            yield map_batch(lambda t: torch.as_tensor(t).to(self.device), shard)
+
+    def _weight(self, samples: int | None) -> int:
+        if samples is None:
+            return self._shard_samples if self._shard_samples is not None else 1
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        return samples
+
+    def _backward(self, loss: torch.Tensor | None, samples: int) -> None:
+        if samples == 0 or loss is None:
+            return
+        check_loss(loss, "the loss passed to step()")
+        self._step.add(backward_weighted(loss, samples), samples)
+
+    def accumulate(self, loss: torch.Tensor, samples: int | None = None) -> None:
+        """Backward a micro-batch's loss without communicating (gradient accumulation).
+
+        The accumulated gradients are averaged, weighted by samples, at the next :meth:`step`.
+        """
+        self._backward(loss, self._weight(samples))
+
+    def step(
+        self,
+        loss: torch.Tensor | None,
+        optimizer: torch.optim.Optimizer,
+        samples: int | None = None,
+    ) -> StepResult:
+        """Backward ``loss``, average gradients over all towers, and step ``optimizer``.
+
+        The average is weighted by each tower's ``samples`` (by default the size of the last
+        shard from :meth:`shards`). If any tower's loss or gradient is not finite, no tower
+        updates (the result says which towers were at fault). Gradients are cleared afterwards.
+        Every rank must call ``step`` once per global batch; a tower with no samples passes
+        ``loss=None, samples=0``.
+
+        Returns:
+            The :class:`StepResult` of this step, identical on every rank.
+        """
+        if self._step.sync is None:
+            raise RuntimeError("call ctx.replicate(model) before ctx.step()")
+        samples = self._weight(samples)
+        self._step.arm()
+        self._backward(loss, samples)
+        result = self._step.reduce()
+        self._step.apply(result, optimizer)
+        self._shard_samples = None
+        self.steps += 1
+        return result
+
+    def save_checkpoint(
+        self,
+        directory: str | os.PathLike[str],
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: Any = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Save the training state of ``step`` (steps done) to ``directory``; call on every rank.
+
+        Rank 0 writes ``step-NNNNNNNN.pt`` atomically (temporary file, then rename) with the
+        model, optimizer and schedule state, every rank's RNG state and ``extra`` (tensors and
+        plain values only); the two newest checkpoints are kept.
+        """
+        rng = self.comm.all_gather_object(torch.get_rng_state())
+        if not self.is_main:
+            return
+        payload = {
+            "model": cpu_state(model),
+            "optimizer": optimizer.state_dict(),
+            "schedule": schedule.state_dict() if schedule is not None else None,
+            "rng": rng,
+            "extra": extra or {},
+        }
+        checkpoint.save(directory, step, "loop", payload)
+
+    def load_checkpoint(
+        self,
+        directory: str | os.PathLike[str],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: Any = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Restore the newest readable checkpoint in ``directory``; call on every rank.
+
+        Returns:
+            ``(step, extra)``: the steps already done (0 and ``{}`` if there is no checkpoint,
+            so a fresh start and a restart share one code path).
+
+        Raises:
+            ValueError: if ``directory`` holds checkpoints of ``towers.train``, not of a loop.
+        """
+        state = checkpoint.load_latest(directory, "loop")
+        if state is None:
+            return 0, {}
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if schedule is not None and state["schedule"] is not None:
+            schedule.load_state_dict(state["schedule"])
+        if len(state["rng"]) == self.world_size:
+            torch.set_rng_state(state["rng"][self.rank])
+        return state["step"], state["extra"]
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    def close(self) -> None:
+        """Remove the hooks and, if :func:`init` created it, the process group."""
+        self._step.remove()
+        self._conn.close()
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def init(
+    *, backend: str | None = None, timeout: float | None = None, transport: str | None = None
+) -> Context:
+    """Join the job this process was launched into and return its :class:`Context`.
+
+    Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``), set by ``torchrun``, ``towers run`` and :func:`towers.spawn`, and joins the
+    process group over env:// (Gloo on CPU, NCCL when CUDA is available). Without those variables
+    the process is a world of one and no process group is created.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``; chosen from the hardware by default.
+        timeout: seconds a rank may wait for the others (rendezvous or a collective) before
+            the job fails; default 60. A dead or stuck worker thus ends the job instead of
+            hanging it.
+        transport: how gradients are averaged: ``"shm"`` (shared memory; every rank on this
+            host, CPU tensors), ``"gloo"``/``"nccl"`` (the process group), or ``"auto"``
+            (default, or the ``TOWERS_TRANSPORT`` environment variable): shared memory where it
+            applies, the process group otherwise. Every rank must ask for the same one.
+
+    Example:
+        >>> ctx = towers.init()
+        >>> model = ctx.replicate(build_model())  # doctest: +SKIP
+    """
+    mode = os.environ.get("TOWERS_MODE", "sync")
+    if mode != "sync":
+        raise ValueError(
+            f"this job was started with --mode {mode}, which applies to scripts that call "
+            "towers.train; the own-loop API (init/replicate/step) is synchronous: start the "
+            "script without --mode, or train with towers.train(..., mode=...)"
+        )
+    return Context(connect(backend=backend, timeout=timeout, transport=transport))

@@ -1,0 +1,65 @@
+"""``TrainResult``: what :func:`towers.train` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+__all__ = ["TrainResult"]
+
+
+@dataclass
+class TrainResult:
+    """What :func:`towers.train` returns.
+
+    Attributes:
+        model: the trained model, on the CPU (a copy; the model passed in is not modified).
+        losses: per step, the sample-weighted mean loss over all towers, computed with the
+            parameters before that step's update.
+        tower_losses: per step, each tower's mean loss (``nan`` for a tower with no samples).
+        skipped: ``(step, culprit towers)`` for every step skipped because a loss or gradient was
+            not finite.
+        steps: global batches trained on.
+        samples: samples trained on (all towers, all steps).
+        seconds: wall time of the training loop, excluding process start-up.
+        staleness: asynchronous modes: one entry per applied update (updates the server applied
+            between a worker's pull and the arrival of its gradient; ``local:K``: the worker's
+            steps since the last average); empty in sync mode.
+        mode: the mode trained in.
+        workers: the number of (computing) towers.
+        restarts: how many times the workers were relaunched after a failure.
+        times: per step, seconds from the start until its loss was complete (for plots of loss
+            against wall time).
+        ahead: ``async`` and ``ssp:S``: per pull, how many results the pulling worker had sent
+            beyond the slowest live worker (``ssp:S`` keeps it <= S).
+        dropped: ``backup:B``: ``(step, tower)`` for each late shard left out of its step.
+        dead_workers: towers that died during training (their shards went to the others).
+    """
+
+    model: nn.Module
+    losses: list[float]
+    tower_losses: list[list[float]]
+    skipped: list[tuple[int, list[int]]]
+    steps: int
+    samples: int
+    seconds: float
+    staleness: list[int] = field(default_factory=list)
+    mode: str = "sync"
+    workers: int = 1
+    restarts: int = 0
+    times: list[float] = field(default_factory=list)
+    ahead: list[int] = field(default_factory=list)
+    dropped: list[tuple[int, int]] = field(default_factory=list)
+    dead_workers: list[int] = field(default_factory=list)
+
+    @property
+    def updates(self) -> int:
+        """Parameter updates applied (sync: steps not skipped)."""
+        if self.mode == "sync":
+            return self.steps - len(self.skipped)
+        return len(self.staleness)
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else float("nan")

@@ -1,0 +1,270 @@
+"""``towers.train``: the whole job in one call: validate, build the job, launch with restarts.
+
+Everything that can be checked is checked in the caller's process, before any worker starts
+(:mod:`towers.api.validate`); the job then runs here (one worker, or a launched job whose
+processes are the workers) or in local worker processes, relaunched from the last checkpoint up
+to ``max_restarts`` times.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.group import launched_env
+from ..core.data import batches_per_epoch
+from ..core.messages import first_line
+from ..core.modes import Mode, parse_mode
+from ..engines.job import EngineResult, Job, LossFn, OptimizerFactory, ScheduleFactory
+from ..engines.job import default_optimizer as _default_optimizer
+from ..engines.run import load_resume, run_job
+from ..processes.spawn import spawn
+from .result import TrainResult
+from .validate import check_arguments, check_straggle, check_workers, preflight
+
+__all__ = ["TrainResult", "train"]
+
+
+def train(
+    model: nn.Module,
+    loss_fn: LossFn,
+    data: Any,
+    *,
+    batch_size: int,
+    steps: int | None = None,
+    epochs: int | None = None,
+    workers: int = 2,
+    mode: str = "sync",
+    optimizer: OptimizerFactory | None = None,
+    lr_schedule: ScheduleFactory | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+    checkpoint: str | None = None,
+    log_dir: str | None = None,
+    progress: bool = True,
+    accumulate: int = 1,
+    timeout: float | None = None,
+    checkpoint_every: int = 100,
+    max_restarts: int = 0,
+    straggle: dict[int, float] | None = None,
+    transport: str | None = None,
+) -> TrainResult:
+    """Train ``model`` data-parallel over ``workers`` towers and return the result.
+
+    Each global batch of ``batch_size`` samples is split over the towers with
+    :func:`towers.split`; in ``"sync"`` mode every tower computes ``loss_fn(model, shard)`` and
+    its gradient with the same parameters, the gradients are averaged weighted by shard sizes,
+    and one update is applied: the trained parameters match a single-process loop over the same
+    global batches for any ``workers``. The batches depend on ``seed``, ``shuffle`` and
+    ``batch_size`` only, exactly as a ``DataLoader(data, batch_size, shuffle=shuffle,
+    generator=torch.Generator().manual_seed(seed))`` yields them.
+
+    In the asynchronous modes a parameter server (one more process, rank 0) owns the parameters
+    and the optimizer and hands out shards on request; ``workers`` counts the computing towers.
+    See docs/async.md.
+
+    Workers are local processes (Gloo over 127.0.0.1, a free port); ``workers=1`` in sync mode
+    trains in this process. Called in a process started by ``torchrun`` or ``towers run``, every
+    rank calls ``train`` and the launched processes are the workers (plus the server, rank 0, in
+    the asynchronous modes).
+
+    Args:
+        model: the module to train; copied to every worker (it is not modified).
+        loss_fn: ``loss_fn(model, shard) -> scalar tensor``, the mean loss over the shard; a
+            module-level function, so it can be sent to worker processes.
+        data: a tensor, a tuple/dict of tensors (samples along dim 0), or a map-style Dataset.
+        batch_size: samples per global batch (all towers together).
+        steps: global batches to train on; or give ``epochs``.
+        epochs: passes over ``data``; or give ``steps``.
+        workers: towers (worker processes).
+        mode: ``"sync"`` (one averaged update per global batch); ``"async"`` (each shard's
+            gradient applied on arrival); ``"ssp:S"`` (async, no worker more than S results ahead
+            of the slowest live one); ``"local:K"`` (each worker steps its own optimizer;
+            parameters averaged, weighted by samples, every K steps and at the end);
+            ``"backup:B"`` (synchronous; each step applies the first ``workers - B`` shards to
+            arrive and drops the rest). A dead worker does not stop the asynchronous modes.
+            In a job started by ``towers run --mode M``, the default ``"sync"`` becomes ``M``.
+        optimizer: ``params -> Optimizer``; default SGD with lr 0.01.
+        lr_schedule: ``optimizer -> LRScheduler``, stepped once per global batch (in the
+            asynchronous modes: before the first update from global batch k, it is stepped up
+            to k).
+        seed: seeds the batch order (and each worker's RNG as ``seed + rank``).
+        shuffle: draw a new permutation of ``data`` every epoch.
+        checkpoint: a directory for checkpoints (parameters, optimizer and schedule state, data
+            position, RNG states, and the results so far). If it holds a checkpoint, training
+            resumes from it and ends exactly where an uninterrupted run ends (asynchronous
+            modes: the server's checkpoint; every global batch is trained once and training
+            goes on from the saved parameters, see docs/async.md).
+        log_dir: write TensorBoard scalars there (needs the ``tensorboard`` package); rank 0
+            writes them (the server in the asynchronous modes, which adds ``staleness``).
+        progress: show a progress bar when stderr is a terminal (rank 0's, or the server's).
+        accumulate: micro-batches per tower shard (gradient accumulation; same result, less
+            memory).
+        timeout: seconds a worker may wait for the others (rendezvous or a collective) before
+            the job fails; default 60. If a worker dies, the others and this call stop at once
+            with a :class:`towers.WorkerError` naming it (the asynchronous modes go on without
+            it).
+        checkpoint_every: global batches completed between checkpoints (one is also written at
+            the end; ``local:K``: at the first average after that).
+        max_restarts: after a failure (asynchronous modes: of the server, or of the whole
+            job), relaunch the workers and resume from the last checkpoint up to this many times
+            (a temporary directory is used if ``checkpoint`` is not given).
+        straggle: ``{tower: factor}`` makes those towers take ``factor`` times as long per shard
+            (they sleep ``factor - 1`` times their compute time), in every mode: a straggler for
+            experiments such as ``towers compare``.
+        transport: how sync workers average: ``"shm"`` (shared memory, local CPU workers),
+            ``"gloo"``, ``"nccl"``, or ``"auto"`` (the default: shared memory when every worker
+            is on this host with CPU tensors); also set by ``TOWERS_TRANSPORT``.
+
+    Returns:
+        A :class:`TrainResult`.
+
+    Example:
+        >>> result = towers.train(model, mse, (x, y), batch_size=50, steps=100, workers=4)
+        >>> result.losses[-1] < result.losses[0]  # doctest: +SKIP
+        True
+    """
+    n = check_arguments(
+        model,
+        loss_fn,
+        data,
+        ints={
+            "batch_size": batch_size,
+            "workers": workers,
+            "accumulate": accumulate,
+            "checkpoint_every": checkpoint_every,
+        },
+        optional_ints={"steps": steps, "epochs": epochs},
+        max_restarts=max_restarts,
+        checkpoint=checkpoint,
+        seed=seed,
+        transport=transport,
+        log_dir=log_dir,
+    )
+    if (steps is None) == (epochs is None):
+        raise ValueError(
+            "give either steps= (global batches) or epochs= (passes over the data), not "
+            + ("neither" if steps is None else "both")
+        )
+    total = steps if steps is not None else epochs * batches_per_epoch(n, batch_size)  # type: ignore[operator]
+    launched = launched_env()
+    parsed = _mode(mode, launched)
+    workers = _workers(parsed, workers, launched)
+    job = Job(
+        model=model,
+        loss_fn=loss_fn,
+        data=data,
+        batch_size=batch_size,
+        steps=total,
+        mode=parsed,
+        optimizer=optimizer if optimizer is not None else _default_optimizer,
+        lr_schedule=lr_schedule,
+        seed=seed,
+        shuffle=bool(shuffle),
+        log_dir=str(log_dir) if log_dir is not None else None,
+        progress=bool(progress),
+        accumulate=accumulate,
+        timeout=timeout,
+        checkpoint=None if checkpoint is None else os.fspath(checkpoint),
+        checkpoint_every=checkpoint_every,
+        every_rank=launched,
+        straggle=check_straggle(straggle, workers),
+        transport=transport,
+    )
+    preflight(job, workers)
+    out, restarts = _launch_with_restarts(job, workers, launched, max_restarts)
+    return _result(model, job, workers, restarts, out)
+
+
+def _mode(mode: str, launched: bool) -> Mode:
+    """The mode to train in: ``towers run --mode M`` makes ``M`` the default."""
+    if launched and mode == "sync" and os.environ.get("TOWERS_MODE", "sync") != "sync":
+        mode = os.environ["TOWERS_MODE"]
+    return parse_mode(mode)
+
+
+def _workers(mode: Mode, workers: int, launched: bool) -> int:
+    """Computing towers: ``workers``, or what a launched job's world size leaves for them."""
+    server = 0 if mode.name == "sync" else 1  # the parameter server is one more process
+    if launched:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != workers + server:
+            warnings.warn(
+                f"train() runs in a launched job of {world} processes; training with "
+                f"{world - server} workers, not workers={workers}"
+                + (f" (mode {mode}: rank 0 is the parameter server)" if server else ""),
+                stacklevel=3,
+            )
+        workers = world - server
+    check_workers(mode, workers)
+    return workers
+
+
+@contextmanager
+def _checkpoint_dir(job: Job, max_restarts: int) -> Iterator[tuple[Job, bool]]:
+    """The job with a checkpoint directory to restart from: a temporary one if none was given."""
+    if not max_restarts or job.checkpoint is not None:
+        yield job, False
+        return
+    scratch = tempfile.mkdtemp(prefix="towers-checkpoints-")
+    try:
+        yield dataclasses.replace(job, checkpoint=scratch), True
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _launch_with_restarts(
+    job: Job, workers: int, launched: bool, max_restarts: int
+) -> tuple[EngineResult, int]:
+    with _checkpoint_dir(job, max_restarts) as (job, isolate):
+        restarts = 0
+        while True:
+            try:
+                return _launch(job, workers, launched, isolate), restarts
+            except Exception as exc:
+                if launched or restarts >= max_restarts:
+                    raise
+                restarts += 1
+                warnings.warn(
+                    f"training failed ({first_line(exc)}); "
+                    f"restart {restarts} of {max_restarts} from the last checkpoint",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+
+def _launch(job: Job, workers: int, launched: bool, isolate: bool) -> EngineResult:
+    """Run the job once: here (a launched job, or one worker) or in local worker processes."""
+    resume = load_resume(job, workers)
+    server = 1 if job.asynchronous else 0
+    if launched or (workers + server == 1 and not isolate):
+        with torch.random.fork_rng(devices=[]):
+            out = run_job(job, resume)
+    else:
+        # Computing towers may die without stopping the server (rank 0), whose result counts.
+        tolerate = range(1, workers + 1) if server else ()
+        out = spawn(run_job, workers + server, job, resume, tolerate=tolerate)[0]
+    assert out is not None
+    return out
+
+
+def _result(
+    model: nn.Module, job: Job, workers: int, restarts: int, out: EngineResult
+) -> TrainResult:
+    trained = copy.deepcopy(model).cpu()
+    trained.load_state_dict(out.state_dict)
+    record = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+    del record["state_dict"]
+    return TrainResult(
+        model=trained, mode=str(job.mode), workers=workers, restarts=restarts, **record
+    )

@@ -1,0 +1,190 @@
+"""Checks of ``towers.train``'s arguments, run in the caller before any worker starts.
+
+A mistake costs a clear message naming the argument, what arrived and what to do, not a
+traceback from a child process. :func:`preflight` goes further: it builds the optimizer and the
+schedule and computes one shard's loss in the caller.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.group import TRANSPORTS
+from ..core.data import global_batches, num_samples, take
+from ..core.modes import Mode
+from ..core.split import leaves, split
+from ..engines.job import Job
+from ..engines.replica import check_loss
+
+__all__ = [
+    "check_arguments",
+    "check_picklable",
+    "check_straggle",
+    "positive_int",
+    "preflight",
+    "warn_non_finite",
+]
+
+
+def positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def check_picklable(name: str, obj: Any, hint: str) -> None:
+    try:
+        pickle.dumps(obj)
+    except Exception as exc:
+        raise ValueError(
+            f"{name} cannot be sent to worker processes: {hint} (pickle: {exc})"
+        ) from None
+
+
+def check_arguments(
+    model: Any,
+    loss_fn: Any,
+    data: Any,
+    *,
+    ints: dict[str, Any],
+    optional_ints: dict[str, Any],
+    max_restarts: Any,
+    checkpoint: Any,
+    seed: Any,
+    transport: Any,
+    log_dir: Any,
+) -> int:
+    """Check what can be checked without building anything; returns the number of samples."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters; there is nothing to train")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    check_picklable(
+        "loss_fn",
+        loss_fn,
+        "define it with `def` at module level, not as a lambda or inner function",
+    )
+    n = num_samples(data)
+    if n == 0:
+        raise ValueError("data holds no samples")
+    for name, value in ints.items():
+        positive_int(name, value)
+    for name, value in optional_ints.items():
+        positive_int(name, value, allow_none=True)
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"checkpoint must be a directory path, got {type(checkpoint).__name__}")
+    if checkpoint is not None and Path(checkpoint).exists() and not Path(checkpoint).is_dir():
+        raise ValueError(f"checkpoint={str(checkpoint)!r} exists and is not a directory")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if transport is not None and transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+    if log_dir is not None:
+        try:
+            importlib.import_module("torch.utils.tensorboard")
+        except ImportError:
+            raise ImportError(
+                "log_dir= needs TensorBoard: pip install 'towers-dp[tensorboard]'"
+            ) from None
+    if not isinstance(data, (torch.Tensor, tuple, list, dict)):
+        check_picklable("data", data, "a Dataset must be picklable (no lambdas or open files)")
+    else:
+        warn_non_finite(data)
+    check_picklable("model", model, "the model must be picklable (no lambdas or open files)")
+    return n
+
+
+def check_workers(mode: Mode, workers: int) -> None:
+    if mode.name == "backup" and mode.arg >= workers:  # type: ignore[operator]
+        raise ValueError(
+            f"mode {mode} drops {mode.arg} shards per step but there are only {workers} "
+            f"workers; B must be below workers"
+        )
+
+
+def warn_non_finite(data: Any) -> None:
+    """Say up front which samples hold NaN or Inf: the steps that meet them will be skipped."""
+    bad = None
+    for _, leaf in leaves(data):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            rows = ~torch.isfinite(leaf.reshape(len(leaf), -1)).all(dim=1)
+            bad = rows if bad is None else bad | rows
+    if bad is not None and bool(bad.any()):
+        samples = bad.nonzero().flatten().tolist()
+        shown = ", ".join(map(str, samples[:5])) + (", ..." if len(samples) > 5 else "")
+        warnings.warn(
+            f"data holds NaN or Inf in {len(samples)} sample(s) ({shown}); every step whose "
+            "global batch holds one is skipped on all towers and listed in TrainResult.skipped",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def check_straggle(straggle: Any, workers: int) -> dict[int, float]:
+    if straggle is None:
+        return {}
+    if not isinstance(straggle, dict):
+        raise TypeError(f"straggle must be a dict {{tower: factor}}, got {type(straggle).__name__}")
+    out = {}
+    for tower, factor in straggle.items():
+        if isinstance(tower, bool) or not isinstance(tower, int) or not 0 <= tower < workers:
+            raise ValueError(f"straggle: {tower!r} is not a tower index in 0..{workers - 1}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+            raise ValueError(f"straggle: tower {tower} has factor {factor!r}; give a number >= 1")
+        out[tower] = float(factor)
+    return out
+
+
+def _check_factory(name: str, factory: Any, arg: Any, expected: type, example: str) -> Any:
+    if isinstance(factory, expected):
+        raise TypeError(
+            f"{name} must be a callable that returns a new {expected.__name__} (each worker "
+            f"builds its own), not an instance; e.g. {example}"
+        )
+    if not callable(factory):
+        raise TypeError(f"{name} must be callable, e.g. {example}; got {type(factory).__name__}")
+    check_picklable(name, factory, f"use a module-level function or {example}")
+    built = factory(arg)
+    if not isinstance(built, expected):
+        raise TypeError(f"{name} returned a {type(built).__name__}, expected a {expected.__name__}")
+    return built
+
+
+def preflight(job: Job, workers: int) -> None:
+    """Build the optimizer and schedule and compute one shard's loss, in this process."""
+    with torch.random.fork_rng(devices=[]):
+        probe = copy.deepcopy(job.model)
+        opt = _check_factory(
+            "optimizer",
+            job.optimizer,
+            probe.parameters(),
+            torch.optim.Optimizer,
+            "functools.partial(torch.optim.Adam, lr=1e-3)",
+        )
+        if job.lr_schedule is not None:
+            _check_factory(
+                "lr_schedule",
+                job.lr_schedule,
+                opt,
+                torch.optim.lr_scheduler.LRScheduler,
+                "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=100, gamma=0.5)",
+            )
+        first = next(global_batches(num_samples(job.data), job.batch_size, job.shuffle, job.seed))
+        shard = take(job.data, split(first, workers)[0])
+        check_loss(job.loss_fn(probe, shard))

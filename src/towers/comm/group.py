@@ -1,0 +1,181 @@
+"""Joining a job: the process group from the launcher's environment, and the transport choice.
+
+Every worker sees what ``torchrun`` would give it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``); :func:`connect` joins the process group over env://
+rendezvous the way torchrun's own scripts do, and puts the transport the engines use on top of
+it: shared memory for CPU workers on one host, the process group (Gloo, NCCL) otherwise.
+Rendezvous on a loopback address listens on loopback only: ``torch.distributed`` has no
+authentication and belongs on trusted networks.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .base import Comm, DistComm, LocalComm
+from .net import is_loopback
+from .shm import ShmComm, ShmUnavailable
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "TRANSPORTS",
+    "Connection",
+    "check_transport",
+    "connect",
+    "init_process_group",
+    "launched_env",
+]
+
+# How long a rank waits for the others (rendezvous, or any collective) before the job fails:
+# a dead or stuck worker ends the job within this bound instead of hanging it.
+DEFAULT_TIMEOUT = 60.0
+TRANSPORTS = ("auto", "shm", "gloo", "nccl")
+
+
+def launched_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process was started by a launcher (torchrun, ``towers run``, ``spawn``)."""
+    env = os.environ if environ is None else environ
+    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _loopback_store(addr: str, port: int, rank: int, world: int, timeout: timedelta) -> Any:
+    """A rendezvous store that listens on loopback only.
+
+    torch's TCPStore listens on every interface; handing it a socket bound to ``addr`` keeps a
+    single-machine job unreachable from the network.
+    """
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((addr, port))
+            sock.listen()
+        except OSError as exc:
+            sock.close()
+            raise OSError(
+                exc.errno,
+                f"cannot listen for the rendezvous on {addr}:{port}: {exc.strerror}; the port is "
+                "in use: choose another MASTER_PORT, or leave it unset for a free one",
+            ) from None
+        return dist.TCPStore(
+            addr, port, world, True, timeout, wait_for_workers=False, master_listen_fd=sock.detach()
+        )
+    try:
+        return dist.TCPStore(addr, port, world, False, timeout)
+    except dist.DistError as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise TimeoutError(
+            f"rank {rank} could not reach the rendezvous at {addr}:{port} within "
+            f"{timeout.total_seconds():g} s: is rank 0 running, and are MASTER_ADDR and "
+            f"MASTER_PORT right? ({first})"
+        ) from None
+
+
+def init_process_group(backend: str | None = None, timeout: float | None = None) -> Any:
+    """Initialise the default process group from the launcher's environment.
+
+    Under torchrun the agent's store is used, one key space per restart attempt. A job of our
+    own on a loopback ``MASTER_ADDR`` gets a store that listens on loopback only.
+    """
+    if dist.is_initialized():
+        return dist.group.WORLD
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    wait = timedelta(seconds=DEFAULT_TIMEOUT if timeout is None else timeout)
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": wait}
+    if backend == "nccl":
+        kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent hosts the store. After a restart (--max-restarts) the keys of the
+        # failed attempt can still be there, and Gloo would dial the dead workers' addresses:
+        # keep each attempt's keys apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        client = dist.TCPStore(addr, port, world, False, wait)
+        store = dist.PrefixStore(f"towers/attempt_{attempt}", client)
+        dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
+    elif is_loopback(addr):
+        store = _loopback_store(addr, port, rank, world, wait)
+        dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
+    else:
+        dist.init_process_group(init_method="env://", **kwargs)
+    return dist.group.WORLD
+
+
+@dataclass
+class Connection:
+    """This process's link to the job: the transport, its device, and who owns the group."""
+
+    comm: Comm
+    device: torch.device
+    local_rank: int = 0
+    owns_group: bool = False
+
+    def close(self) -> None:
+        """Release the transport and, if :func:`connect` created it, the process group."""
+        self.comm.close()
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False
+            # Let go of the group now, while the interpreter is whole: a Gloo group destroyed
+            # during interpreter shutdown can abort the process (std::terminate in a thread).
+            self.comm = LocalComm()
+            gc.collect()
+
+
+def check_transport(transport: str | None) -> str:
+    """The transport to use: ``transport``, else ``TOWERS_TRANSPORT``, else ``"auto"``."""
+    if transport is None:
+        transport = os.environ.get("TOWERS_TRANSPORT") or "auto"
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+    return transport
+
+
+def connect(
+    *, backend: str | None = None, timeout: float | None = None, transport: str | None = None
+) -> Connection:
+    """Join the job this process was launched into (a world of one if it was not)."""
+    transport = check_transport(transport)
+    if transport != "auto":
+        backend = backend or ("gloo" if transport == "shm" else transport)
+    if not launched_env():
+        return Connection(LocalComm(), torch.device("cpu"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    owns_group = not dist.is_initialized()
+    group = init_process_group(backend, timeout)
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    comm = _transport(DistComm(group), transport, timeout)
+    return Connection(comm, device, local_rank, owns_group)
+
+
+def _transport(base: DistComm, transport: str, timeout: float | None) -> Comm:
+    """Shared memory when asked for, or when ``auto`` and it applies; else the process group."""
+    if transport in ("gloo", "nccl") or base.world_size == 1:
+        return base
+    gloo = dist.get_backend(base.group) == "gloo"
+    if transport == "auto" and not gloo:
+        return base
+    if transport == "shm" and not gloo:
+        raise ValueError(
+            f"transport='shm' averages CPU tensors; this job runs on "
+            f"{dist.get_backend(base.group)} (GPU): use transport='auto' or 'nccl'"
+        )
+    try:
+        return ShmComm(base, timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
+    except ShmUnavailable as exc:
+        if transport == "shm":
+            raise RuntimeError(f"transport='shm' is not available: {exc}") from None
+        return base

@@ -1,0 +1,83 @@
+"""What an engine is given and what it returns: a frozen :class:`Job`, an :class:`EngineResult`.
+
+``towers.train`` checks its arguments, builds one :class:`Job` and sends it by pickle to every
+worker; an engine (sync or parameter server) trains it and returns an :class:`EngineResult`,
+which ``train`` turns into the public ``TrainResult``. A checkpoint to resume from travels
+beside the job, never inside it: the job says what to train, not where a run got to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..core.modes import Mode
+
+__all__ = ["EngineResult", "Job", "LossFn", "OptimizerFactory", "ScheduleFactory"]
+
+
+class LossFn(Protocol):
+    """``loss_fn(model, shard) -> scalar tensor``: the mean loss over the shard."""
+
+    def __call__(self, model: nn.Module, shard: Any, /) -> torch.Tensor: ...
+
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+ScheduleFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+
+def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with lr 0.01, the optimizer of the seeds' examples."""
+    return torch.optim.SGD(params, lr=0.01)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training job, as every worker receives it. Built and checked by ``towers.train``."""
+
+    model: nn.Module
+    loss_fn: LossFn
+    data: Any
+    batch_size: int
+    steps: int  # global batches in all
+    mode: Mode
+    optimizer: OptimizerFactory = default_optimizer
+    lr_schedule: ScheduleFactory | None = None
+    seed: int = 0
+    shuffle: bool = True
+    log_dir: str | None = None
+    progress: bool = True
+    accumulate: int = 1  # micro-batches per tower shard
+    timeout: float | None = None  # seconds a rank waits for the others; None: the default
+    checkpoint: str | None = None  # directory
+    checkpoint_every: int = 100
+    every_rank: bool = False  # every rank returns the result (launched jobs), not only rank 0
+    straggle: dict[int, float] = field(default_factory=dict)  # tower -> slowdown factor
+    transport: str | None = None
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether a parameter server (one more process, rank 0) runs the job."""
+        return self.mode.name != "sync"
+
+
+@dataclass
+class EngineResult:
+    """An engine's record of a run; ``towers.train`` makes it a ``TrainResult``."""
+
+    state_dict: dict[str, torch.Tensor]  # the trained parameters and buffers, on the CPU
+    losses: list[float]
+    tower_losses: list[list[float]]
+    skipped: list[tuple[int, list[int]]]
+    steps: int
+    samples: int
+    seconds: float
+    times: list[float]
+    staleness: list[int] = field(default_factory=list)
+    ahead: list[int] = field(default_factory=list)
+    dropped: list[tuple[int, int]] = field(default_factory=list)
+    dead_workers: list[int] = field(default_factory=list)

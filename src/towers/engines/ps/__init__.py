@@ -1,0 +1,55 @@
+"""The asynchronous engine: a parameter server on ``torch.distributed`` point-to-point messages.
+
+Process layout: rank 0 is the server (it owns the parameters, the optimizer and the learning-rate
+schedule, and computes nothing); ranks 1..workers are the computing towers, tower ``rank - 1``.
+``workers`` in :func:`towers.train` counts computing towers, so a local run starts
+``workers + 1`` processes, and a launched run (``torchrun``) needs ``WORLD_SIZE = workers + 1``.
+See docs/async.md for the protocol, each mode's semantics and the measurements behind them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from ...comm.base import DistComm
+from ...comm.group import Connection
+from ...processes.env import set_process_name
+from ..broadcast import verify_same_model
+from ..job import EngineResult, Job
+from .resume import check_resumable
+from .server import Server
+from .wire import Layout, ServerLink, WorkerLink
+from .worker import work
+
+__all__ = ["check_resumable", "run_ps"]
+
+
+def run_ps(job: Job, conn: Connection, resume: dict[str, Any] | None) -> EngineResult | None:
+    """Run this rank's part; the server returns the result (every rank does if launched)."""
+    world, rank = conn.comm.world_size, conn.comm.rank
+    if world < 2:
+        raise ValueError(
+            f"mode {job.mode} needs a server and at least one worker: 2 or more processes, "
+            f"got {world}"
+        )
+    # Messages travel on the CPU over Gloo even when the towers compute on GPUs (NCCL has no
+    # way to tell a receiver that its peer died); a Gloo group beside NCCL's serves them.
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    comm = DistComm(group)
+    verify_same_model(job.model, comm)
+    layout = Layout(job.model)
+    towers = world - 1
+    comm.barrier()
+    if rank == 0:
+        set_process_name("towers-server")
+        server = Server(job, ServerLink(comm, layout, towers), layout, towers, conn.device, resume)
+        result = server.run()
+        if job.every_rank:
+            for t in sorted(set(range(towers)) - set(result.dead_workers)):
+                comm.send_object(result, t + 1)
+        return result
+    set_process_name(f"towers-tower{rank - 1}")
+    work(WorkerLink(comm, layout), job, rank - 1, towers, conn.device)
+    return comm.recv_object(0) if job.every_rank else None

@@ -1,0 +1,275 @@
+"""The parameter server (rank 0): owns the parameters and the optimizer, hands out shards,
+applies what comes back, and keeps the record that becomes the ``TrainResult``.
+
+Work is handed out on request, one shard (global batch k, shard i) at a time, so a fast worker
+takes more shards than a slow one and a dead worker's shard in flight goes back to the queue.
+Global batches and their split are those of the sync engine (``global_batches`` and ``split``
+over ``workers``), so every mode sees the same data. The event loop here is the same for every
+mode; what differs (when a request is answered, what an arriving result does) is the mode's
+policy (:mod:`towers.engines.ps.policies`). The state lives in
+:class:`~towers.engines.ps.state.ServerState`.
+
+A non-finite loss or gradient is never applied: the shard (backup: the step) is reported in
+``skipped`` with the worker that computed it.
+
+With ``checkpoint=``, the server saves its state every ``checkpoint_every`` completed global
+batches and at the end, and a server built from such a checkpoint goes on from it
+(:mod:`towers.engines.ps.resume`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, cast
+
+import torch
+
+from ...core.data import batch_len, num_samples
+from ...core.split import shard_sizes
+from ...core.step import all_finite
+from .. import checkpoint
+from ..job import EngineResult, Job
+from ..replica import Replica, cpu_state
+from ..report import Reporter
+from . import resume
+from .policies import make_policy
+from .state import ServerState, Shard
+from .wire import Header, Kind, Layout, ServerLink, read_header
+
+__all__ = ["Server"]
+
+
+class Server:
+    """Serves ``towers`` workers (ranks 1..towers) over ``link``; see the module docstring."""
+
+    def __init__(
+        self,
+        job: Job,
+        link: ServerLink,
+        layout: Layout,
+        towers: int,
+        device: torch.device,
+        state: dict[str, Any] | None = None,
+    ):
+        self.job, self.link, self.layout = job, link, layout
+        self.policy = make_policy(job.mode, towers)
+        self.replica = Replica.build(job, device, optimizer=self.policy.server_optimizer)
+        self.model = self.replica.model
+        self.n = num_samples(job.data)
+        self.state = ServerState.fresh(towers, job.steps)
+        if state is not None:
+            resume.restore(self.state, self.replica, state)
+        # progress bar and TensorBoard: the server holds the record, so it reports
+        self.reporter = Reporter(job, main=True, initial=self.state.done)
+        self.first_samples = self.state.record.samples  # samples/s counts this run's only
+        self.start = 0.0
+        self.seconds = math.nan
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> EngineResult:
+        self.start = time.perf_counter()
+        try:
+            self._loop()
+        finally:
+            self.reporter.close()
+        self.link.close()
+        return self._result()
+
+    def _loop(self) -> None:
+        s = self.state
+        while s.live - s.byes:
+            tower, msg = self.link.get()
+            if msg is None:
+                self.lost(tower)
+            else:
+                h = read_header(self.layout, msg)
+                if h.kind == Kind.REQUEST:
+                    s.idle.add(tower)
+                elif h.kind == Kind.BYE:
+                    s.byes.add(tower)
+                else:
+                    self.policy.on_result(self, tower, h, msg)
+            self._serve()
+            self._maybe_save()
+
+    def elapsed(self) -> float:
+        """Seconds since this run's loop started (the record holds earlier runs')."""
+        return time.perf_counter() - self.start
+
+    def _serve(self) -> None:
+        s = self.state
+        if self.policy.finished(self):
+            if math.isnan(self.seconds):
+                self.seconds = s.record.prior_seconds + self.elapsed()
+            for t in sorted(s.idle):
+                self.send(t, Kind.STOP, payload=True)
+            s.idle.clear()
+            return
+        for t in sorted(s.idle):
+            self.policy.serve(self, t)
+
+    def _maybe_save(self) -> None:
+        """Checkpoint once ``checkpoint_every`` more global batches are complete, and at the end."""
+        s, every = self.state, self.job.checkpoint_every
+        if self.job.checkpoint is None or s.done == s.saved:
+            return
+        if not self.policy.checkpointable(self):
+            return
+        if s.done // every > s.saved // every or self.policy.finished(self):
+            seconds = s.record.prior_seconds + self.elapsed()
+            todo = self.policy.unapplied(self)
+            payload = resume.snapshot(self.job, s, self.replica, todo, seconds)
+            checkpoint.save(self.job.checkpoint, s.done, "ps", payload)
+            s.saved = s.done
+
+    # -- what the policies use -------------------------------------------------------------
+
+    def _refill(self) -> None:
+        s = self.state
+        while len(s.pending) < s.towers and s.next_step < s.steps:
+            s.pending.extend(self.shards(s.next_step))
+            s.next_step += 1
+
+    def take(self) -> Shard | None:
+        """The next shard to hand out, or ``None`` if every shard is out."""
+        self._refill()
+        return self.state.pending.popleft() if self.state.pending else None
+
+    def shards(self, step: int) -> list[Shard]:
+        """Global batch ``step`` cut for the towers (the empty shards left out)."""
+        s = self.state
+        sizes = shard_sizes(batch_len(step, self.n, self.job.batch_size), s.towers)
+        shards = [Shard(step, i, size) for i, size in enumerate(sizes) if size > 0]
+        s.left[step] = len(shards)
+        return shards
+
+    def hand_out(self, t: int, shard: Shard, params: bool = True) -> None:
+        s = self.state
+        s.idle.discard(t)
+        self.send(t, Kind.WORK, params, step=shard.step, shard=shard.index, samples=shard.samples)
+        s.busy[t] = (shard, s.version)
+
+    def send(self, t: int, kind: Kind, payload: bool = False, **fields: float) -> None:
+        msg = self.layout.new()
+        if payload:
+            self.layout.write_values(msg, self.model)
+        self.layout.stamp(msg, kind, version=self.state.version, payload=payload, **fields)
+        self.link.send(t, msg)
+
+    def answered(self, t: int, h: Header) -> tuple[Shard, int]:
+        """Tower ``t``'s shard in flight, now answered by ``h``, and the version it pulled."""
+        shard, pulled = self.state.busy.pop(t)
+        assert (shard.step, shard.index) == (h.step, h.shard), "a worker answered another shard"
+        self.state.clock[t] += 1
+        return shard, pulled
+
+    def record(self, step: int, t: int, h: Header) -> None:
+        rec = self.state.record
+        rec.loss_sums[step][t] += h.loss
+        rec.counts[step][t] += h.samples
+        rec.samples += h.samples
+
+    def stale(self, value: int) -> None:
+        rec = self.state.record
+        rec.staleness.append(value)
+        self.reporter.staleness(len(rec.staleness) - 1, value)
+
+    def finish_shard(self, step: int) -> None:
+        s = self.state
+        s.left[step] -= 1
+        if s.left[step] == 0:
+            self.step_done(step)
+
+    def step_done(self, step: int) -> None:
+        s, rec = self.state, self.state.record
+        elapsed = self.elapsed()
+        rec.times[step] = rec.prior_seconds + elapsed
+        s.done += 1
+        loss, per_tower = rec.step_losses(step)
+        rate = (rec.samples - self.first_samples) / elapsed if elapsed > 0 else math.nan
+        self.reporter.step(step, loss, per_tower, rate)
+
+    def lost(self, t: int) -> None:
+        """Worker ``t`` died: forget it, and let the policy hand its work to the others."""
+        s = self.state
+        if t not in s.live:
+            return
+        s.live.discard(t)
+        s.record.dead.append(t)
+        s.idle.discard(t)
+        shard = s.busy.pop(t)[0] if t in s.busy else None
+        self.policy.on_lost(self, t, shard)
+        if not s.live and not self.policy.finished(self):
+            raise RuntimeError(
+                f"every worker died (towers {sorted(s.record.dead)}); training cannot go on "
+                f"after {s.done} of {s.steps} steps"
+            )
+
+    def apply(self, msgs: list[torch.Tensor], total: int, step: int) -> bool:
+        """Apply the summed gradients of ``msgs`` divided by ``total``; False if not finite."""
+        params = list(self.model.parameters())
+        per_msg = [self.layout.grads(m, self.model) for m in msgs]
+        grads: list[torch.Tensor | None] = []
+        for i in range(len(params)):
+            present = [g for grads_of_msg in per_msg if (g := grads_of_msg[i]) is not None]
+            if not present:
+                grads.append(None)
+                continue
+            g = present[0] if len(present) == 1 else torch.stack(present).sum(0)
+            if not all_finite(g):
+                return False
+            grads.append(g)
+        opt = cast(torch.optim.Optimizer, self.replica.optimizer)
+        self.replica.schedule_to(step)
+        for p, g in zip(params, grads):
+            # The worker backpropagated loss * samples, as the sync engine does; dividing here
+            # gives a one-tower step the same rounding as a synchronous one.
+            p.grad = None if g is None else g.to(p.device).div(total)
+        opt.step()
+        for p in params:
+            p.grad = None
+        self.layout.read_buffers(msgs[-1], self.model)
+        self.state.version += 1
+        return True
+
+    def average(self, submitted: list[tuple[torch.Tensor, int]]) -> None:
+        """``local:K``: the model becomes the sample-weighted average of the towers' parameters."""
+        total = sum(w for _, w in submitted)
+        if total <= 0:
+            return
+        heaviest = max(submitted, key=lambda s: s[1])[0]
+        views = [(self.layout.values(m, self.model), w) for m, w in submitted]
+        with torch.no_grad():
+            for i, t in enumerate(self.layout.tensors(self.model)):
+                if t.is_floating_point():
+                    # float64 sums: a single contributor comes back bit for bit
+                    acc = cast(torch.Tensor, sum(v[i].double() * w for v, w in views if w > 0))
+                    t.copy_(acc / total)
+                else:  # integer buffers (e.g. BatchNorm's counter): the busiest worker's
+                    t.copy_(self.layout.values(heaviest, self.model)[i])
+
+    # -- the result ------------------------------------------------------------------------
+
+    def _result(self) -> EngineResult:
+        s, rec = self.state, self.state.record
+        losses, tower_losses = [], []
+        for step in range(s.steps):
+            loss, per_tower = rec.step_losses(step)
+            losses.append(loss)
+            tower_losses.append([per_tower.get(t, math.nan) for t in range(s.towers)])
+        return EngineResult(
+            state_dict=cpu_state(self.model),
+            losses=losses,
+            tower_losses=tower_losses,
+            skipped=sorted((k, sorted(v)) for k, v in rec.skipped.items()),
+            steps=s.steps,
+            samples=rec.samples,
+            seconds=self.seconds,
+            times=rec.times,
+            staleness=rec.staleness,
+            ahead=rec.ahead,
+            dropped=sorted(rec.dropped),
+            dead_workers=sorted(set(rec.dead)),  # a restarted run may lose one again
+        )

@@ -1,0 +1,147 @@
+"""One tower's copy of the training state, and how a tower computes its shard's gradient.
+
+Shared by every engine: the synchronous loop, the parameter server and its workers build their
+model, optimizer and schedule here, backpropagate a shard here (micro-batch by micro-batch,
+``loss * samples``, optionally stretched for a straggler experiment), and catch a learning-rate
+schedule up to a global batch here.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.data import take
+from ..core.split import map_batch, split
+from .job import Job
+
+__all__ = ["Replica", "backward_shard", "backward_weighted", "check_loss", "cpu_state"]
+
+
+def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A private CPU copy of ``module``'s parameters and buffers."""
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    return map_batch(lambda t: torch.as_tensor(t).to(device), batch)
+
+
+def check_loss(loss: Any, where: str = "loss_fn") -> None:
+    """Raise a clear error unless ``loss`` is a scalar floating tensor with a gradient."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"{where} must return a scalar tensor (the mean loss over the shard), "
+            f"got {type(loss).__name__}"
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"{where} must return a scalar tensor (the mean loss over the shard), got a tensor "
+            f"of shape {list(loss.shape)}; reduce it, e.g. with .mean()"
+        )
+    if not loss.is_floating_point():
+        raise TypeError(f"{where} must return a floating-point tensor, got {loss.dtype}")
+    if not loss.requires_grad:
+        raise ValueError(
+            f"{where} returned a tensor that does not depend on any trainable parameter "
+            "(requires_grad is False); compute it from the model's output"
+        )
+
+
+def backward_weighted(loss: torch.Tensor, samples: int) -> float:
+    """Backpropagate ``loss * samples`` and return that loss sum (``nan`` if not finite).
+
+    A tower's mean loss times its sample count: summed over towers and divided by the total
+    count, the gradients give the gradient of the mean loss over the whole global batch.
+    """
+    value = float(loss.detach())
+    (loss * samples).backward()
+    return value * samples if math.isfinite(value) else math.nan
+
+
+def backward_shard(
+    job: Job,
+    model: nn.Module,
+    indices: torch.Tensor,
+    device: torch.device,
+    *,
+    before_last: Callable[[], None] | None = None,
+    slow: float = 1.0,
+) -> tuple[float, int]:
+    """Backpropagate the samples at ``indices`` in ``job.accumulate`` micro-batches.
+
+    ``before_last`` runs before the last micro-batch's backward (the sync engine arms its
+    gradient hooks there, so that averaging overlaps that backward). ``slow > 1`` stretches the
+    shard to ``slow`` times its compute time, for straggler experiments; the hooks are then not
+    armed, so that the sleep comes before any communication.
+
+    Returns:
+        ``(loss sum, samples)`` over the shard; the loss sum is ``nan`` if a loss was not finite.
+    """
+    micro = [m for m in split(indices, job.accumulate) if len(m)]
+    began = time.perf_counter()
+    loss_sum, samples = 0.0, 0
+    for i, m in enumerate(micro):
+        if before_last is not None and i == len(micro) - 1 and slow <= 1.0:
+            before_last()
+        loss = job.loss_fn(model, to_device(take(job.data, m), device))
+        check_loss(loss)
+        loss_sum += backward_weighted(loss, len(m))
+        samples += len(m)
+    if slow > 1.0:
+        time.sleep((slow - 1.0) * (time.perf_counter() - began))
+    return loss_sum, samples
+
+
+@dataclass
+class Replica:
+    """A model with its optimizer and learning-rate schedule, as one process trains them."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    schedule: torch.optim.lr_scheduler.LRScheduler | None = None
+    scheduled: int = 0  # schedule.step() calls so far
+
+    @classmethod
+    def build(cls, job: Job, device: torch.device, *, optimizer: bool = True) -> Replica:
+        """A private copy of the job's model on ``device``, with its optimizer and schedule.
+
+        Always a copy: tensors sent to local workers travel through shared memory, so without it
+        every worker would update one and the same parameter storage.
+        """
+        model = copy.deepcopy(job.model).to(device)
+        opt = job.optimizer(model.parameters()) if optimizer else None
+        schedule = job.lr_schedule(opt) if opt is not None and job.lr_schedule is not None else None
+        return cls(model, opt, schedule)
+
+    def schedule_to(self, count: int) -> None:
+        """Step the schedule until it has been stepped ``count`` times (once per global batch)."""
+        while self.schedule is not None and self.scheduled < count:
+            self.schedule.step()
+            self.scheduled += 1
+
+    def state(self) -> dict[str, Any]:
+        """Model, optimizer and schedule state, for a checkpoint."""
+        return {
+            "model": cpu_state(self.model),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "schedule": self.schedule.state_dict() if self.schedule is not None else None,
+            "scheduled": self.scheduled,
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state` (a private copy is taken: the tensors may be shared memory)."""
+        state = copy.deepcopy(state)
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.schedule is not None and state.get("schedule") is not None:
+            self.schedule.load_state_dict(state["schedule"])
+        self.scheduled = state.get("scheduled", 0)

@@ -1,0 +1,155 @@
+"""The synchronous training loop of ``towers.train``, run by every worker.
+
+Each global batch is cut with :func:`towers.split`; this worker backpropagates its shard (in
+``accumulate`` micro-batches) and :class:`~towers.engines.sync.step.SyncStep` averages the
+gradients over all towers before one update. With ``checkpoint=`` the loop saves its whole state
+every ``checkpoint_every`` steps and resumes from the checkpoint the caller read, ending exactly
+where an uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ...comm.group import Connection
+from ...core.data import BatchOrder, num_samples
+from ...core.split import split
+from ...core.step import StepResult
+from .. import checkpoint
+from ..job import EngineResult, Job
+from ..replica import Replica, backward_shard, cpu_state
+from ..report import Reporter
+from .step import SyncStep
+
+__all__ = ["SyncRecord", "sync_loop"]
+
+
+@dataclass
+class SyncRecord:
+    """What a synchronous run has done so far; saved in its checkpoints."""
+
+    losses: list[float] = field(default_factory=list)
+    tower_losses: list[list[float]] = field(default_factory=list)
+    skipped: list[tuple[int, list[int]]] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    samples: int = 0
+    seconds: float = 0.0  # training time of the runs before this one
+
+    def add(self, step: int, r: StepResult, at: float) -> None:
+        self.samples += r.samples
+        self.losses.append(r.loss)
+        self.tower_losses.append(r.tower_losses)
+        if r.skipped:
+            self.skipped.append((step, r.culprits))
+        self.times.append(at)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> SyncRecord:
+        record = cls(**state)
+        record.skipped = [(s, list(c)) for s, c in record.skipped]
+        return record
+
+
+class _Run:
+    """One worker's run of a synchronous job."""
+
+    def __init__(self, job: Job, conn: Connection, resume: dict[str, Any] | None):
+        self.job, self.comm, self.device = job, conn.comm, conn.device
+        torch.manual_seed(job.seed + self.comm.rank)
+        self.step = SyncStep(self.comm, conn.device)
+        self.replica = Replica.build(job, conn.device)
+        self.step.replicate(self.replica.model)
+        self.order = BatchOrder(num_samples(job.data), job.batch_size, job.shuffle, job.seed)
+        self.record = SyncRecord()
+        self.first = 0
+        if resume is not None:
+            self._restore(resume)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.replica.load(state)
+        self.order.load_state_dict(state["data"])
+        rng = state["rng"]
+        if len(rng) == self.comm.world_size:
+            torch.set_rng_state(rng[self.comm.rank])
+        else:  # resumed with another number of workers: fresh, but reproducible, streams
+            torch.manual_seed(self.job.seed + self.comm.rank + 1000 * state["step"])
+        self.record = SyncRecord.from_state(state["record"])
+        self.first = state["step"]
+
+    def _save(self, done: int) -> None:
+        rng = self.comm.all_gather_object(torch.get_rng_state())
+        if self.comm.rank != 0:
+            return
+        payload = {
+            "mode": str(self.job.mode),
+            "data": self.order.state_dict(),
+            "rng": rng,
+            "record": asdict(self.record),
+            **self.replica.state(),
+        }
+        checkpoint.save(self.job.checkpoint, done, "sync", payload)  # type: ignore[arg-type]
+
+    def _due(self, done: int) -> bool:
+        job = self.job
+        return job.checkpoint is not None and (
+            done % job.checkpoint_every == 0 or done == job.steps
+        )
+
+    def train(self) -> None:
+        job, comm, record, replica = self.job, self.comm, self.record, self.replica
+        slow = job.straggle.get(comm.rank, 1.0)
+        reporter = Reporter(job, comm.rank == 0, initial=self.first)
+        comm.barrier()
+        start = time.perf_counter()
+        first_samples = record.samples
+        try:
+            for k in range(self.first, job.steps):
+                mine = split(next(self.order), comm.world_size)[comm.rank]
+                loss_sum, n = backward_shard(
+                    job, replica.model, mine, self.device, before_last=self.step.arm, slow=slow
+                )
+                self.step.add(loss_sum, n)
+                r = self.step.reduce()
+                self.step.apply(r, replica.optimizer)  # type: ignore[arg-type]
+                replica.schedule_to(k + 1)
+                elapsed = time.perf_counter() - start
+                record.add(k, r, record.seconds + elapsed)
+                rate = (record.samples - first_samples) / elapsed
+                reporter.step(k, r.loss, r.tower_losses, rate)
+                if self._due(k + 1):
+                    record.seconds += time.perf_counter() - start
+                    start, first_samples = time.perf_counter(), record.samples
+                    self._save(k + 1)
+        finally:
+            reporter.close()
+        record.seconds += time.perf_counter() - start
+
+    def result(self) -> EngineResult:
+        r = self.record
+        return EngineResult(
+            state_dict=cpu_state(self.replica.model),
+            losses=r.losses,
+            tower_losses=r.tower_losses,
+            skipped=[(s, list(c)) for s, c in r.skipped],
+            steps=self.job.steps,
+            samples=r.samples,
+            seconds=r.seconds,
+            times=r.times,
+        )
+
+
+def sync_loop(job: Job, conn: Connection, resume: dict[str, Any] | None) -> EngineResult | None:
+    """Train ``job`` synchronously on this rank; rank 0 returns the result (every rank does if
+    ``job.every_rank``)."""
+    run = _Run(job, conn, resume)
+    try:
+        run.train()
+    finally:
+        run.step.remove()
+    if conn.comm.rank == 0 or job.every_rank:
+        return run.result()
+    return None

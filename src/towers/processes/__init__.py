@@ -1,0 +1,1 @@
+"""Processes: local workers (``towers.spawn``), ``towers run``, and the torchrun environment."""

@@ -1,0 +1,90 @@
+"""The environment of a worker process: torchrun's variables, threads, names, exit statuses.
+
+Every worker sees what ``torchrun`` would give it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so code written for ``towers.spawn`` or
+``towers run`` runs unchanged under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+
+import torch
+
+from ..comm.net import is_loopback
+
+__all__ = [
+    "ENV_KEYS",
+    "cpu_count",
+    "describe_exit",
+    "set_process_name",
+    "set_worker_threads",
+    "worker_env",
+]
+
+ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_PR_SET_NAME = 15
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (respects CPU affinity and container limits)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def worker_env(rank: int, world_size: int, addr: str, port: int) -> dict[str, str]:
+    """The variables torchrun sets for one worker of a single-node job.
+
+    On a loopback address Gloo is also told to use the loopback interface, so that no socket of
+    a local job listens on the network.
+    """
+    env = {}
+    if is_loopback(addr) and os.path.exists("/sys/class/net/lo"):
+        env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    return env | {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+    }
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'exit code 3' or 'signal SIGKILL' for a process's exit status."""
+    if exitcode is None:
+        return "no exit status"
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def set_worker_threads(local_world_size: int) -> None:
+    """Give each of the local workers an equal share of the cores (at least one thread)."""
+    torch.set_num_threads(max(1, cpu_count() // max(1, local_world_size)))
+
+
+def set_process_name(name: str) -> None:
+    """Show this process as ``name`` (15 characters at most) in ``ps``, ``top`` and ``pkill``.
+
+    An operator can tell the parameter server from the towers at a glance; does nothing where
+    the kernel offers no way to.
+    """
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return
+    try:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

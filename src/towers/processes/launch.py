@@ -1,0 +1,73 @@
+"""``towers run SCRIPT -n N -- ARGS``: start N copies of a script the way torchrun does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from ..comm.net import DEFAULT_ADDR, free_port
+from .env import cpu_count, describe_exit, worker_env
+
+__all__ = ["run_script"]
+
+
+def run_script(
+    script: str,
+    workers: int,
+    args: Sequence[str] = (),
+    *,
+    addr: str = DEFAULT_ADDR,
+    port: int | None = None,
+    failure_grace: float = 5.0,
+) -> int:
+    """Run ``python SCRIPT ARGS`` as ``workers`` ranks; return 0, or the first failure's code.
+
+    When one rank fails the others get ``failure_grace`` seconds, then are terminated.
+    """
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"no such script: {script}")
+    port = free_port(addr) if port is None else port
+    threads = str(max(1, cpu_count() // workers))
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def stop(*_: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 3
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        for rank in range(workers):
+            env = {**os.environ, **worker_env(rank, workers, addr, port)}
+            env.setdefault("OMP_NUM_THREADS", threads)
+            procs.append(subprocess.Popen([sys.executable, script, *args], env=env))
+        failed_at = None
+        code = 0
+        while True:
+            codes = [p.poll() for p in procs]
+            for rank, rc in enumerate(codes):
+                if rc not in (None, 0) and failed_at is None:
+                    print(
+                        f"towers run: rank {rank} failed with {describe_exit(rc)}",
+                        file=sys.stderr,
+                    )
+                    failed_at, code = time.monotonic(), (rc if rc > 0 else 128 - rc)
+            if all(rc is not None for rc in codes):
+                return code
+            if failed_at is not None and time.monotonic() - failed_at > failure_grace:
+                return code
+            time.sleep(0.05)
+    finally:
+        stop()
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,221 @@
+"""The ``towers`` command: ``towers demo``, ``towers compare``, ``towers run``, ``towers bench``."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import demo
+
+    return demo(args)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from ..core.modes import parse_mode
+    from .compare import compare
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        parse_mode(m)
+    if args.factor < 1:
+        print(f"towers compare: --factor must be >= 1, got {args.factor}", file=sys.stderr)
+        return 2
+    if not 0 <= args.straggler < args.workers:
+        print(
+            f"towers compare: --straggler must be a tower in 0..{args.workers - 1}",
+            file=sys.stderr,
+        )
+        return 2
+    compare(
+        args.problem,
+        workers=args.workers,
+        steps=args.steps,
+        modes=modes,
+        straggler=args.straggler,
+        factor=args.factor,
+        target=args.target,
+        seed=args.seed,
+        out=args.out,
+        print_fn=functools.partial(print, flush=True),
+    )
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..core.modes import parse_mode
+    from ..processes.launch import run_script
+
+    try:
+        mode = parse_mode(args.mode)
+    except ValueError as exc:
+        print(f"towers run: {exc}", file=sys.stderr)
+        return 2
+    if not Path(args.script).is_file():
+        print(f"towers run: no such script: {args.script}", file=sys.stderr)
+        return 2
+    processes = args.nproc
+    if mode.name != "sync":
+        # towers.train in the script trains in this mode; the parameter server is rank 0
+        processes += 1
+        print(
+            f"towers run: mode {mode}: rank 0 is the parameter server, ranks 1..{args.nproc} "
+            "compute",
+            file=sys.stderr,
+        )
+    os.environ["TOWERS_MODE"] = str(mode)
+    return run_script(args.script, processes, args.script_args, addr=args.addr, port=args.port)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import ARMS, BenchConfig, quick, run
+    from .bench_report import table, write
+
+    options: dict = {"workers": args.workers}
+    for key, least in (("steps", 1), ("warmup", 0), ("repeats", 1)):
+        value = getattr(args, key)
+        if value is not None and value < least:
+            print(f"towers bench: --{key} must be >= {least}, got {value}", file=sys.stderr)
+            return 2
+        if value is not None:
+            options[key] = value
+    if args.models:
+        options["models"] = tuple(args.models.split(","))
+    if args.arms:
+        unknown = set(args.arms.split(",")) - set(ARMS)
+        if unknown:
+            print(f"towers bench: unknown arms {sorted(unknown)}; known: {ARMS}", file=sys.stderr)
+            return 2
+        options["arms"] = tuple(args.arms.split(","))
+    if args.buckets is not None:
+        options["bucket_mib"] = tuple(float(b) for b in args.buckets.split(",") if b)
+    if args.no_sweep:
+        options["sweep_bytes"] = ()
+    cfg = quick(**options) if args.quick else BenchConfig(**options)
+    results = run(cfg, log=lambda line: print(line, flush=True))
+    paths = write(results, Path(args.out))
+    print("\n" + table(results))
+    print("\n" + "\n".join(f"{kind}: {path.resolve()}" for kind, path in paths.items()))
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="step times against one process and DDP, and an all-reduce sweep",
+        description="Train the same model on the same global batches in every arm (one process "
+        "with 1 and N threads, N processes without averaging, DDP over Gloo, towers on each "
+        "transport, towers async), interleaved repeats, medians; then time all-reduces of 4 KB "
+        "to 64 MB on each transport next to memcpy. Writes bench.json, bench.txt, sweep.png.",
+    )
+    bench.add_argument("-n", "--workers", type=int, default=2, help="workers (default 2)")
+    bench.add_argument("--models", default=None, help="comma-separated: mlp,cnn (default both)")
+    bench.add_argument("--arms", default=None, help="comma-separated subset of the arms")
+    bench.add_argument("--steps", type=int, default=None, help="timed steps per run (20)")
+    bench.add_argument("--warmup", type=int, default=None, help="untimed steps first (5)")
+    bench.add_argument("--repeats", type=int, default=None, help="interleaved repeats (3)")
+    bench.add_argument(
+        "--buckets", default=None, help="extra towers-shm bucket sizes in MiB (default 1,25)"
+    )
+    bench.add_argument("--no-sweep", action="store_true", help="skip the all-reduce sweep")
+    bench.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
+    bench.add_argument("--out", default="towers-bench", help="output directory (%(default)s)")
+    bench.set_defaults(func=_bench)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="towers", description="Data-parallel training of PyTorch models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train the parabola with 1 and N local workers")
+    demo.add_argument("-n", "--workers", type=int, default=4, help="workers (default 4)")
+    demo.add_argument("--steps", type=int, default=2000, help="global batches (default 2000)")
+    demo.add_argument(
+        "--async-steps",
+        type=int,
+        default=500,
+        help="global batches for the asynchronous rows (default 500)",
+    )
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--out", default="towers-demo/loss.png", help="PNG of the loss curves (default %(default)s)"
+    )
+    demo.set_defaults(func=_demo)
+
+    cmp = sub.add_parser(
+        "compare",
+        help="train one problem in every mode, with and without a straggler",
+        description="Train the same problem in every mode without and with one slowed tower; "
+        "print mode, updates, final loss, time to a target loss, staleness and updates/s, and "
+        "write a PNG of loss against wall time.",
+    )
+    cmp.add_argument("--problem", choices=["parabola", "digits"], default="parabola")
+    cmp.add_argument("-n", "--workers", type=int, default=4, help="computing towers (default 4)")
+    cmp.add_argument("--steps", type=int, default=None, help="global batches per run")
+    cmp.add_argument(
+        "--modes", default="sync,async,ssp:2,local:4,backup:1", help="comma-separated modes"
+    )
+    cmp.add_argument("--straggler", type=int, default=1, help="the slowed tower (default 1)")
+    cmp.add_argument("--factor", type=float, default=3.0, help="its slowdown (default 3)")
+    cmp.add_argument(
+        "--target", type=float, default=None, help="loss target (default 1.1 x sync's last)"
+    )
+    cmp.add_argument("--seed", type=int, default=0)
+    cmp.add_argument(
+        "--out", default="towers-compare/loss.png", help="PNG path (default %(default)s)"
+    )
+    cmp.set_defaults(func=_compare)
+
+    run = sub.add_parser(
+        "run",
+        help="run a script as N local workers (the torchrun environment)",
+        usage="towers run SCRIPT [-n N] [--mode M] [--addr A] [--port P] -- [ARGS ...]",
+        description="Start N copies of SCRIPT with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
+        "MASTER_PORT set as torchrun sets them; stop them all if one fails. Arguments after -- "
+        "go to the script.",
+    )
+    run.add_argument("script")
+    run.add_argument("-n", "--nproc", type=int, default=2, help="workers (default 2)")
+    run.add_argument(
+        "--mode",
+        default="sync",
+        help="mode for towers.train in the script (default sync); an asynchronous mode adds "
+        "the parameter server as rank 0",
+    )
+    run.add_argument("--addr", default="127.0.0.1", help="rendezvous address (default loopback)")
+    run.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    run.set_defaults(func=_run)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if "--" in argv:  # everything after the first -- belongs to the script of `towers run`
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1 :]
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command != "run" and (unknown or script_args):
+        parser.error(f"unrecognized arguments: {' '.join(unknown + script_args)}")
+    args.script_args = unknown + script_args
+    for name in ("workers", "nproc", "steps", "async_steps"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            print(f"towers {args.command}: --{name} must be >= 1, got {value}", file=sys.stderr)
+            return 2
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The arithmetic of a synchronous step, without processes: metadata, culprits, division, None."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from towers import average_gradients
+from towers.core.step import StepMeta, assign_grads, step_result
+
+
+def _summed(meta: StepMeta, towers: list[tuple[int, float, bool, list[float]]]) -> torch.Tensor:
+    """What an all-reduce of every tower's packed vector gives."""
+    vectors = [
+        meta.pack(rank, samples, loss_sum, bad, torch.tensor(had, dtype=torch.float64))
+        for rank, (samples, loss_sum, bad, had) in enumerate(towers)
+    ]
+    return torch.stack(vectors).sum(0)
+
+
+def test_metadata_survives_the_sum_over_towers():
+    meta = StepMeta(world=3, params=2)
+    towers = [(4, 8.0, False, [1, 0]), (3, 1.5, True, [1, 0]), (0, 123.0, False, [0, 0])]
+    tally = meta.read(_summed(meta, towers))
+    assert tally.counts == [4, 3, 0]
+    assert tally.sums == [8.0, 1.5, 0.0]  # an empty tower's loss sum does not count
+    assert tally.culprits == [1]
+    assert tally.had_grad == [True, False]
+    assert tally.total == 7
+
+
+def test_step_result_weights_by_samples_and_names_culprits():
+    meta = StepMeta(world=3, params=1)
+    towers = [(4, 8.0, False, [1]), (2, 1.0, False, [1]), (0, 0.0, False, [0])]
+    ok = step_result(meta.read(_summed(meta, towers)), sums_finite=True)
+    assert ok.loss == pytest.approx(9.0 / 6)
+    assert ok.tower_losses[:2] == [2.0, 0.5] and math.isnan(ok.tower_losses[2])
+    assert ok.tower_samples == [4, 2, 0] and ok.samples == 6
+    assert not ok.skipped and ok.culprits == []
+
+    nan_tower = [(4, math.nan, True, [1]), (2, 1.0, False, [1]), (0, 0.0, False, [0])]
+    bad = step_result(meta.read(_summed(meta, nan_tower)), sums_finite=False)
+    assert bad.skipped and bad.culprits == [0] and math.isnan(bad.loss)
+    # finite losses, but the summed gradients overflowed: skipped, no tower to blame
+    overflow = step_result(meta.read(_summed(meta, [(1, 1.0, False, [1])] * 3)), False)
+    assert overflow.skipped and overflow.culprits == []
+
+
+def test_a_step_without_samples_is_refused():
+    meta = StepMeta(world=2, params=1)
+    with pytest.raises(ValueError, match="no tower had any samples"):
+        step_result(meta.read(_summed(meta, [(0, 0.0, False, [0])] * 2)), True)
+
+
+def test_assigned_gradients_are_the_weighted_average():
+    """Summing n_i * g_i and dividing by N gives average_gradients weighted by n_i."""
+    torch.manual_seed(0)
+    params = [torch.zeros(3, 2, requires_grad=True), torch.zeros(4, requires_grad=True)]
+    counts = [5, 2, 1]
+    grads = [[torch.randn(3, 2), torch.randn(4)] for _ in counts]
+    flat = sum(torch.cat([g.reshape(-1) * n for g in gs]) for gs, n in zip(grads, counts))
+    assert isinstance(flat, torch.Tensor)
+    slots = [(0, 0, 6), (1, 6, 10)]
+    assign_grads(params, flat, slots, total=sum(counts), had_grad=[True, True])
+    expected = average_gradients([list(zip(gs, params)) for gs in grads], weights=counts)
+    for p, (g, _) in zip(params, expected):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_a_parameter_no_tower_had_a_gradient_for_keeps_none():
+    params = [torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    flat = torch.tensor([2.0, 4.0, 0.0, 0.0])
+    assign_grads(params, flat, [(0, 0, 2), (1, 2, 4)], total=2, had_grad=[True, False])
+    assert params[0].grad.tolist() == [1.0, 2.0]
+    assert params[1].grad is None
