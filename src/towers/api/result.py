@@ -34,7 +34,14 @@ class TrainResult:
         ahead: ``async`` and ``ssp:S``: per pull, how many results the pulling worker had sent
             beyond the slowest live worker (``ssp:S`` keeps it <= S).
         dropped: ``backup:B``: ``(step, tower)`` for each late shard left out of its step.
-        dead_workers: towers that died during training (their shards went to the others).
+        dead_workers: towers that died during training (their shards went to the others). In
+            an elastic sync run: the ids of the workers lost (a worker's id is its first rank;
+            replacements get ``workers``, ``workers + 1``, ...).
+        world: sync mode: per step, the number of towers that computed it (changes in an
+            elastic run when a worker is lost or a replacement joins).
+        recoveries: elastic sync runs: ``(step, seconds)`` for each loss of a worker: the step
+            that was redone by the survivors, and the seconds from the loss (the death, or the
+            last heartbeat of a hung worker) until that step completed.
     """
 
     model: nn.Module
@@ -52,6 +59,8 @@ class TrainResult:
     ahead: list[int] = field(default_factory=list)
     dropped: list[tuple[int, int]] = field(default_factory=list)
     dead_workers: list[int] = field(default_factory=list)
+    world: list[int] = field(default_factory=list)
+    recoveries: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def updates(self) -> int:

@@ -21,16 +21,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.group import launched_env
+from ..comm.group import DEFAULT_TIMEOUT, launched_env
 from ..core.data import batches_per_epoch
 from ..core.messages import first_line
 from ..core.modes import Mode, parse_mode
 from ..engines.job import EngineResult, Job, LossFn, OptimizerFactory, ScheduleFactory
 from ..engines.job import default_optimizer as _default_optimizer
-from ..engines.run import load_resume, run_job
+from ..engines.run import load_resume, run_elastic, run_job
+from ..processes.elastic import supervise
 from ..processes.spawn import spawn
 from .result import TrainResult
-from .validate import check_arguments, check_straggle, check_workers, preflight
+from .validate import check_arguments, check_elastic, check_straggle, check_workers, preflight
 
 __all__ = ["TrainResult", "train"]
 
@@ -58,6 +59,7 @@ def train(
     max_restarts: int = 0,
     straggle: dict[int, float] | None = None,
     transport: str | None = None,
+    elastic: bool = False,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -125,6 +127,12 @@ def train(
         transport: how sync workers average: ``"shm"`` (shared memory, local CPU workers),
             ``"gloo"``, ``"nccl"``, or ``"auto"`` (the default: shared memory when every worker
             is on this host with CPU tensors); also set by ``TOWERS_TRANSPORT``.
+        elastic: sync mode, local CPU workers: a worker that dies or hangs is dropped, the
+            survivors redo the interrupted global batch among themselves and training goes on,
+            with the same parameters as an uninterrupted run (see docs/elastic.md). With
+            ``max_restarts``, that many replacements join at a step boundary and receive the
+            state from a live peer. ``TrainResult.dead_workers``, ``world`` and
+            ``recoveries`` say what happened.
 
     Returns:
         A :class:`TrainResult`.
@@ -160,6 +168,7 @@ def train(
     launched = launched_env()
     parsed = _mode(mode, launched)
     workers = _workers(parsed, workers, launched)
+    check_elastic(elastic, parsed, transport, launched)
     job = Job(
         model=model,
         loss_fn=loss_fn,
@@ -180,6 +189,7 @@ def train(
         every_rank=launched,
         straggle=check_straggle(straggle, workers),
         transport=transport,
+        elastic=bool(elastic),
     )
     preflight(job, workers)
     out, restarts = _launch_with_restarts(job, workers, launched, max_restarts)
@@ -226,6 +236,18 @@ def _checkpoint_dir(job: Job, max_restarts: int) -> Iterator[tuple[Job, bool]]:
 def _launch_with_restarts(
     job: Job, workers: int, launched: bool, max_restarts: int
 ) -> tuple[EngineResult, int]:
+    if job.elastic and not launched and workers > 1:
+        # Elastic: lost workers are dropped or replaced while the others train on.
+        outcome = supervise(
+            run_elastic,
+            workers,
+            job,
+            load_resume(job, workers),
+            max_restarts=max_restarts,
+            timeout=DEFAULT_TIMEOUT if job.timeout is None else job.timeout,
+        )
+        out = dataclasses.replace(outcome.result, dead_workers=outcome.dead)
+        return out, outcome.replacements
     with _checkpoint_dir(job, max_restarts) as (job, isolate):
         restarts = 0
         while True:

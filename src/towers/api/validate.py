@@ -188,3 +188,27 @@ def preflight(job: Job, workers: int) -> None:
         first = next(global_batches(num_samples(job.data), job.batch_size, job.shuffle, job.seed))
         shard = take(job.data, split(first, workers)[0])
         check_loss(job.loss_fn(probe, shard))
+
+
+def check_elastic(elastic: Any, mode: Mode, transport: str | None, launched: bool) -> None:
+    """``elastic=True`` needs sync mode, CPU workers, and local workers started by ``train``."""
+    if not isinstance(elastic, bool):
+        raise TypeError(f"elastic must be True or False, got {elastic!r}")
+    if not elastic:
+        return
+    if mode.name != "sync":
+        raise ValueError(
+            f"elastic=True applies to mode='sync' (a lost worker's share of each global batch "
+            f"goes to the others, with exact results); mode {str(mode)!r} already goes on "
+            "without a dead worker: drop elastic=True"
+        )
+    if transport == "nccl" or (transport in (None, "auto") and torch.cuda.is_available()):
+        raise ValueError(
+            "elastic=True runs CPU workers (Gloo or shared memory); pass transport='gloo' or "
+            "'shm', or drop elastic=True to train on GPUs"
+        )
+    if launched:
+        raise ValueError(
+            "elastic=True is for workers that train() starts itself; in a job started by "
+            "towers run or torchrun, start it with towers run --elastic instead"
+        )

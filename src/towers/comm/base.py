@@ -8,12 +8,27 @@ caller uses, so an engine never probes a transport with ``getattr`` or ``isinsta
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "DistComm", "LocalComm", "PointToPoint", "Work"]
+__all__ = ["Comm", "DistComm", "LocalComm", "PeerFailure", "PeerTimeout", "PointToPoint", "Work"]
+
+_SLICE = 0.25  # seconds between checks of the interrupt while a collective waits
+
+
+class PeerFailure(RuntimeError):
+    """A peer left the job (died, or was declared lost) while this rank waited for it.
+
+    Raised by a transport's collectives, so that an elastic run can regroup without the
+    lost rank; any other run ends with it.
+    """
+
+
+class PeerTimeout(PeerFailure, TimeoutError):
+    """A peer did not arrive within the timeout (stuck, or issuing other collectives)."""
 
 
 class Work(Protocol):
@@ -38,6 +53,10 @@ class Comm(Protocol):
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None: ...
 
     def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``src``'s ``obj`` (picklable), returned on every rank."""
+        ...
 
     def barrier(self) -> None: ...
 
@@ -89,6 +108,9 @@ class LocalComm:
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
     def barrier(self) -> None:
         pass
 
@@ -99,29 +121,90 @@ class LocalComm:
         pass
 
 
-class DistComm:
-    """Collectives of a ``torch.distributed`` process group (Gloo on CPU, NCCL on GPU)."""
+class _Interruptible:
+    """A process group's work whose wait gives up when ``interrupt`` is set.
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    Gloo reports a peer's death as a read error, but a stuck peer only after the group's
+    timeout: the elastic runner's watcher sets ``interrupt`` as soon as a peer is declared
+    lost, and the waiting rank raises :class:`PeerFailure` then.
+    """
+
+    def __init__(self, work: Any, interrupt: threading.Event):
+        self.work = work
+        self.interrupt = interrupt
+
+    def wait(self) -> Any:
+        if not self.work.is_completed():
+            done = threading.Event()
+            self.work.get_future().add_done_callback(lambda _f: done.set())
+            while not done.wait(_SLICE):
+                if self.interrupt.is_set():
+                    raise PeerFailure("a peer was lost while this rank waited in a collective")
+        try:
+            return self.work.wait()
+        except RuntimeError as exc:
+            raise _peer_failure(exc) from None
+
+
+def _peer_failure(exc: BaseException) -> PeerFailure:
+    text = str(exc).strip().splitlines()
+    what = text[0] if text else type(exc).__name__
+    if "timeout" in what.lower() or "timed out" in what.lower():
+        return PeerTimeout(f"a peer did not arrive in time: {what}")
+    return PeerFailure(f"a peer was lost: {what}")
+
+
+class DistComm:
+    """Collectives of a ``torch.distributed`` process group (Gloo on CPU, NCCL on GPU).
+
+    With ``interrupt`` (elastic runs), a collective's failure raises :class:`PeerFailure`, and
+    setting the event makes a waiting collective raise it too; without, errors pass unchanged.
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, interrupt: threading.Event | None = None
+    ):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.interrupt = interrupt
+
+    def _wait(self, work: Any) -> None:
+        if self.interrupt is None:
+            work.wait()
+        else:
+            _Interruptible(work, self.interrupt).wait()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         assert work is not None
-        return work
+        return work if self.interrupt is None else _Interruptible(work, self.interrupt)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        dist.broadcast(tensor, src=src, group=self.group)
+        self._wait(dist.broadcast(tensor, src=src, group=self.group, async_op=True))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as exc:
+            if self.interrupt is None:
+                raise
+            raise _peer_failure(exc) from None
         return out
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj if self.rank == src else None]
+        try:
+            dist.broadcast_object_list(box, src=src, group=self.group)
+        except RuntimeError as exc:
+            if self.interrupt is None:
+                raise
+            raise _peer_failure(exc) from None
+        return box[0]
+
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        self._wait(dist.barrier(group=self.group, async_op=True))
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         return None

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from .base import Comm, Work
+from .base import Comm, PeerFailure, PeerTimeout, Work
 from .segment import SHM_DIR, ShmUnavailable, alive, host_key, open_shared
 
 __all__ = ["SHM_DIR", "ShmComm", "ShmUnavailable"]
@@ -113,8 +113,10 @@ class ShmComm:
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         spin: float = DEFAULT_SPIN_SECONDS,
         threaded: bool = False,
+        interrupt: threading.Event | None = None,
     ):
         self.base = base
+        self.interrupt = interrupt
         self.rank = base.rank
         self.world_size = base.world_size
         self.timeout = timeout
@@ -215,6 +217,10 @@ class ShmComm:
     def all_gather_object(self, obj: Any) -> list[Any]:
         self._drain()
         return self.base.all_gather_object(obj)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        self._drain()
+        return self.base.broadcast_object(obj, src)
 
     def barrier(self) -> None:
         self._drain()
@@ -364,14 +370,18 @@ class ShmComm:
             if mine.acquire(True, _SLICE):
                 need -= 1
                 continue
+            if self.interrupt is not None and self.interrupt.is_set():
+                raise PeerFailure(
+                    f"rank {self.rank}'s shared-memory all-reduce was interrupted: a peer was lost"
+                )
             for rank, pid in self._peers:
                 if not alive(pid):
-                    raise RuntimeError(
+                    raise PeerFailure(
                         f"rank {rank} (pid {pid}) exited while rank {self.rank} waited for it "
                         "in a shared-memory all-reduce"
                     )
             if time.monotonic() > deadline:
-                raise TimeoutError(
+                raise PeerTimeout(
                     f"rank {self.rank} waited more than {self.timeout:g} s for the other ranks in "
                     "a shared-memory all-reduce; is a worker stuck, or did the ranks issue "
                     "different collectives?"

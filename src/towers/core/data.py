@@ -93,6 +93,22 @@ class BatchOrder:
         self.index += 1
         return batch
 
+    def seek(self, step: int) -> None:
+        """Make global batch ``step`` the next one (an elastic run redoes an interrupted batch).
+
+        Epochs already drawn are kept; going back to an earlier epoch draws the permutations
+        again from ``seed``, which gives the same ones.
+        """
+        per_epoch = batches_per_epoch(self.config["samples"], self.config["batch_size"])
+        epoch, index = divmod(step, per_epoch)
+        if epoch < self.epoch:
+            self.generator.manual_seed(self.config["seed"])
+            self.epoch, self.batches = -1, []
+        while self.epoch < epoch:
+            self.batches = list(self.loader)
+            self.epoch += 1
+        self.index = index
+
     def state_dict(self) -> dict[str, Any]:
         permutation = torch.cat(self.batches) if self.batches else torch.zeros(0, dtype=torch.long)
         return {

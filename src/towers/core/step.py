@@ -63,6 +63,7 @@ class Tally:
     sums: list[float]  # loss summed over each tower's samples
     culprits: list[int]  # towers whose loss or gradient was not finite
     had_grad: list[bool]  # per parameter: whether any tower produced a gradient
+    regroup: bool = False  # some tower asked that all regroup after this step (elastic runs)
 
     @property
     def total(self) -> int:
@@ -74,9 +75,11 @@ class StepMeta:
     """Where a tower's step metadata sits in a float64 vector of :attr:`length` values.
 
     Three blocks of ``world`` slots (sample counts, loss sums, non-finite flags; tower r writes
-    slot r, the others stay zero) and one slot per parameter (1 where this tower has a gradient).
-    Summed over towers, the first three blocks hold every tower's value and the last counts the
-    towers that had a gradient for each parameter.
+    slot r, the others stay zero), one slot per parameter (1 where this tower has a gradient),
+    and a trailing regroup flag (1 where this tower saw a replacement waiting to join). Summed
+    over towers, the first three blocks hold every tower's value, the parameter slots count the
+    towers that had a gradient, and the flag is non-zero if any tower asked: every tower then
+    regroups after the same step.
     """
 
     world: int
@@ -84,17 +87,24 @@ class StepMeta:
 
     @property
     def length(self) -> int:
-        return 3 * self.world + self.params
+        return 3 * self.world + self.params + 1
 
     def pack(
-        self, rank: int, samples: int, loss_sum: float, bad: bool, had_grad: torch.Tensor
+        self,
+        rank: int,
+        samples: int,
+        loss_sum: float,
+        bad: bool,
+        had_grad: torch.Tensor,
+        regroup: bool = False,
     ) -> torch.Tensor:
         """This tower's vector (``had_grad``: one 0/1 value per parameter)."""
         meta = torch.zeros(self.length, dtype=torch.float64)
         meta[rank] = samples
         meta[self.world + rank] = loss_sum if samples > 0 else 0.0
         meta[2 * self.world + rank] = 1.0 if bad else 0.0
-        meta[3 * self.world :] = had_grad
+        meta[3 * self.world : 3 * self.world + self.params] = had_grad
+        meta[-1] = 1.0 if regroup else 0.0
         return meta
 
     def read(self, summed: torch.Tensor) -> Tally:
@@ -105,7 +115,8 @@ class StepMeta:
             counts=[round(c) for c in values[:w]],
             sums=values[w : 2 * w],
             culprits=[r for r, f in enumerate(values[2 * w : 3 * w]) if f > 0],
-            had_grad=[g > 0 for g in values[3 * w :]],
+            had_grad=[g > 0 for g in values[3 * w : 3 * w + self.params]],
+            regroup=values[-1] > 0,
         )
 
 

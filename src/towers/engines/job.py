@@ -58,6 +58,7 @@ class Job:
     every_rank: bool = False  # every rank returns the result (launched jobs), not only rank 0
     straggle: dict[int, float] = field(default_factory=dict)  # tower -> slowdown factor
     transport: str | None = None
+    elastic: bool = False  # sync: survive lost workers (the caller supervises them)
 
     @property
     def asynchronous(self) -> bool:
@@ -81,3 +82,5 @@ class EngineResult:
     ahead: list[int] = field(default_factory=list)
     dropped: list[tuple[int, int]] = field(default_factory=list)
     dead_workers: list[int] = field(default_factory=list)
+    world: list[int] = field(default_factory=list)  # sync: towers that computed each step
+    recoveries: list[tuple[int, float]] = field(default_factory=list)  # (step, seconds)

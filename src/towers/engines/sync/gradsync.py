@@ -89,6 +89,7 @@ class GradientSync:
             for i, p in enumerate(self.params)
         ]
         self._armed = False
+        self.regroup = False  # whether the last finished step asked every rank to regroup
         self._reset()
 
     def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -144,12 +145,14 @@ class GradientSync:
         self._works.append(self.comm.all_reduce_sum(self.buffers[b]))
         self._launched = b + 1
 
-    def finish(self, samples: int, loss_sum: float) -> StepResult:
+    def finish(self, samples: int, loss_sum: float, regroup: bool = False) -> StepResult:
         """Complete the averaging; every rank must call this once per step.
 
         Args:
             samples: this tower's sample count for the step (0 for an empty tower).
             loss_sum: this tower's loss summed over its samples (mean loss times ``samples``).
+            regroup: ask every rank to regroup after this step (a replacement waits to join);
+                afterwards :attr:`regroup` says, identically on every rank, whether any asked.
 
         Returns:
             The step's outcome. Unless it is skipped, each parameter's ``.grad`` holds the
@@ -161,7 +164,7 @@ class GradientSync:
             self._launch(self._launched)
         self._pack(last)
         bad = not math.isfinite(loss_sum) or self._bad_grad
-        meta = self.meta.pack(self.comm.rank, samples, loss_sum, bad, self._had_grad)
+        meta = self.meta.pack(self.comm.rank, samples, loss_sum, bad, self._had_grad, regroup)
         if self.meta_in_bucket:
             tail = self._storage[last][-self.meta.length :]
             tail.copy_(meta)
@@ -174,6 +177,7 @@ class GradientSync:
         for w in self._works:
             w.wait()
         tally = self.meta.read(tail)
+        self.regroup = tally.regroup
         result = step_result(tally, all(all_finite(buf) for buf in self.buffers))
         if not result.skipped:
             for buf, slots in zip(self.buffers, self.slots):

@@ -38,11 +38,14 @@ class SyncRecord:
     times: list[float] = field(default_factory=list)
     samples: int = 0
     seconds: float = 0.0  # training time of the runs before this one
+    world: list[int] = field(default_factory=list)  # towers that computed each step
+    recoveries: list[tuple[int, float]] = field(default_factory=list)  # elastic: see result
 
     def add(self, step: int, r: StepResult, at: float) -> None:
         self.samples += r.samples
         self.losses.append(r.loss)
         self.tower_losses.append(r.tower_losses)
+        self.world.append(len(r.tower_samples))
         if r.skipped:
             self.skipped.append((step, r.culprits))
         self.times.append(at)
@@ -51,6 +54,7 @@ class SyncRecord:
     def from_state(cls, state: dict[str, Any]) -> SyncRecord:
         record = cls(**state)
         record.skipped = [(s, list(c)) for s, c in record.skipped]
+        record.recoveries = [(s, float(t)) for s, t in record.recoveries]
         return record
 
 
@@ -139,6 +143,8 @@ class _Run:
             samples=r.samples,
             seconds=r.seconds,
             times=r.times,
+            world=list(r.world),
+            recoveries=list(r.recoveries),
         )
 
 

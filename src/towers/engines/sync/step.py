@@ -58,17 +58,23 @@ class SyncStep:
         self.loss_sum += loss_sum
         self.samples += samples
 
-    def reduce(self) -> StepResult:
+    def reduce(self, regroup: bool = False) -> StepResult:
         """Average the gradients over all towers, weighted by samples; the same on every rank.
 
         Afterwards each parameter's ``.grad`` holds the global batch's gradient, unless the step
-        is skipped (a loss or gradient was not finite on some tower).
+        is skipped (a loss or gradient was not finite on some tower). ``regroup``: this rank
+        asks all to regroup after the step (see :attr:`regroup`).
         """
         sync = self._sync()
         try:
-            return sync.finish(self.samples, self.loss_sum)
+            return sync.finish(self.samples, self.loss_sum, regroup)
         finally:
             self.samples, self.loss_sum = 0, 0.0
+
+    @property
+    def regroup(self) -> bool:
+        """Whether some rank asked, in the last step, that every rank regroup after it."""
+        return self._sync().regroup
 
     def apply(self, result: StepResult, optimizer: torch.optim.Optimizer) -> None:
         """Step ``optimizer`` unless ``result`` is skipped, then clear the gradients."""

@@ -1,0 +1,92 @@
+"""An elastic worker's link to its job: the process group of the current generation, rebuilt.
+
+When a peer is lost the old group is abandoned (its pending work is never waited on again) and a
+fresh one is built for the next generation of members (:mod:`towers.comm.membership`): a new
+Gloo process group over a new prefix of the job's store, and, for local CPU workers, a new
+shared-memory segment laid out for the survivors. The engines see an ordinary
+:class:`~towers.comm.base.Comm` whose collectives raise
+:class:`~towers.comm.base.PeerFailure` when a peer is lost.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .base import Comm, DistComm, LocalComm, PeerFailure
+from .group import DEFAULT_TIMEOUT
+from .membership import Membership, key
+from .shm import ShmComm, ShmUnavailable
+
+__all__ = ["ElasticConnection"]
+
+
+class ElasticConnection:
+    """This worker's membership and the transport of its current generation.
+
+    Reads ``RANK`` (the worker's id), ``MASTER_ADDR`` and ``MASTER_PORT`` (the supervisor's
+    store) from the environment; ``joining`` is true for a replacement started mid-run.
+    """
+
+    def __init__(self, transport: str, timeout: float | None, joining: bool = False):
+        self.transport = transport
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        self.id = int(os.environ["RANK"])
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.membership = Membership(addr, port, self.id, self.timeout)
+        self.joining = joining
+        self.comm: Comm = LocalComm()
+        self.device = torch.device("cpu")
+        self.generation = -1
+        self.members: list[int] = []
+
+    def join(self, generation: int) -> None:
+        """Leave the current group and form ``generation``'s (or a later one's, if it fails).
+
+        Raises:
+            PeerFailure: if the new group cannot be formed (the caller tries the next one).
+        """
+        self._abandon()
+        self.generation, self.members = self.membership.enter(generation)
+        rank, world = self.members.index(self.id), len(self.members)
+        store = dist.PrefixStore(key(self.generation, "pg"), self.membership.store)
+        try:
+            dist.init_process_group(
+                "gloo",
+                store=store,
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=self.timeout),
+            )
+            base = DistComm(None, self.membership.interrupt)
+            self.comm = self._transport(base)
+        except PeerFailure:
+            raise
+        except RuntimeError as exc:  # a member died while the group formed
+            raise PeerFailure(f"generation {self.generation} could not form: {exc}") from None
+
+    def _transport(self, base: DistComm) -> Comm:
+        if self.transport == "gloo" or base.world_size == 1:
+            return base
+        try:
+            return ShmComm(base, timeout=self.timeout, interrupt=self.membership.interrupt)
+        except ShmUnavailable as exc:
+            if self.transport == "shm":
+                raise RuntimeError(f"transport='shm' is not available: {exc}") from None
+            return base
+
+    def _abandon(self) -> None:
+        # A broken group's pending work is dropped, not waited on: its lost peer was killed
+        # before the loss was announced, so Gloo's threads are not stuck on it.
+        self.comm = LocalComm()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+
+    def close(self) -> None:
+        self._abandon()
+        self.membership.close()

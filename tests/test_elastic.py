@@ -1,0 +1,174 @@
+"""Elastic sync: a worker killed (SIGKILL) or hung (SIGSTOP) mid-run is dropped, the survivors
+redo the interrupted global batch, a replacement may join, and the trained parameters still equal
+a plain single-process loop (docs/elastic.md).
+
+The faults come from the test: the loss function leaves one file per worker process (named by
+its id and pid) and grows it by a byte per call; a thread here waits until the run has made a
+random amount of progress, then signals a random worker's pid.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_close_lists, assert_same_parameters, make_net, reference_loop
+
+import towers
+from towers.core.data import BatchOrder
+from towers.core.step import StepMeta
+
+
+def _data(n: int = 90) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 3, generator=g)
+    return x, (x[:, :1] * 2 - x[:, 1:2]).sin()
+
+
+def traced_mse(progress: str, model: torch.nn.Module, shard) -> torch.Tensor:
+    """The mean squared error, slowed down a little; records which worker computed it."""
+    who = os.environ.get("RANK", "caller")
+    with open(os.path.join(progress, f"{who}-{os.getpid()}"), "a") as f:
+        f.write(".")
+    time.sleep(0.02)
+    x, y = shard
+    return (model(x) - y).square().mean()
+
+
+class Saboteur(threading.Thread):
+    """Signals a random worker each time the run's progress (loss calls) passes a threshold."""
+
+    def __init__(self, progress: Path, faults: list[tuple[int, int]], rng: random.Random):
+        super().__init__(daemon=True)
+        self.progress, self.faults, self.rng = progress, faults, rng
+        self.hit: list[tuple[int, int]] = []  # (worker id, signal)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        pending = list(self.faults)
+        struck: set[int] = set()
+        while pending and not self.stop.wait(0.01):
+            files = {
+                f: int(f.name.split("-")[1])
+                for f in self.progress.iterdir()
+                if not f.name.startswith("caller")
+            }
+            calls = sum(f.stat().st_size for f in files)
+            if calls < pending[0][0]:
+                continue
+            candidates = [f for f, pid in files.items() if pid not in struck]
+            victim = self.rng.choice(sorted(candidates))
+            pid = files[victim]
+            sig = pending.pop(0)[1]
+            os.kill(pid, sig)
+            struck.add(pid)
+            self.hit.append((int(victim.name.split("-")[0]), sig))
+
+
+def _run_with_faults(tmp_path, *, workers, transport, faults, restarts, seed):
+    rng = random.Random(seed)
+    x, y = _data()
+    steps, batch = 24, 16
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    # each fault at a random step (after the first few, before the last few)
+    at = sorted(rng.randrange(2 * workers, 16 * workers) for _ in faults)
+    saboteur = Saboteur(progress, [(a, s) for a, s in zip(at, faults)], rng)
+    saboteur.start()
+    try:
+        result = towers.train(
+            make_net(),
+            functools.partial(traced_mse, str(progress)),
+            (x, y),
+            batch_size=batch,
+            steps=steps,
+            workers=workers,
+            elastic=True,
+            max_restarts=restarts,
+            transport=transport,
+            timeout=30,
+            progress=False,
+        )
+    finally:
+        saboteur.stop.set()
+        saboteur.join()
+    reference = make_net()
+    losses, _, _ = reference_loop(
+        reference,
+        (x, y),
+        batch_size=batch,
+        steps=steps,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+        loss_fn=lambda m, s: (m(s[0]) - s[1]).square().mean(),
+    )
+    return result, reference, losses, saboteur.hit
+
+
+CASES = [
+    # workers, transport, faults, replacements
+    (3, "gloo", [signal.SIGKILL], 0),
+    (2, "shm", [signal.SIGSTOP], 1),
+    (4, "shm", [signal.SIGKILL, signal.SIGSTOP], 1),
+    (3, "gloo", [signal.SIGSTOP], 1),
+]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("workers", "transport", "faults", "restarts"), CASES)
+def test_lost_workers_leave_the_parameters_unchanged(
+    tmp_path, workers, transport, faults, restarts
+):
+    seed = random.randrange(1 << 30)
+    result, reference, losses, hit = _run_with_faults(
+        tmp_path, workers=workers, transport=transport, faults=faults, restarts=restarts, seed=seed
+    )
+    why = f"seed {seed}, faults {hit}, world {result.world}"
+    assert len(hit) == len(faults), why
+    assert_same_parameters(result.model, reference)
+    assert_close_lists(result.losses, losses)
+    assert sorted(result.dead_workers) == sorted(w for w, _ in hit), why
+    assert result.restarts == min(restarts, len(faults)), why
+    assert len(result.world) == result.steps == 24
+    assert result.world[0] == workers and min(result.world) >= workers - len(faults), why
+    if restarts == 0:
+        assert result.world[-1] == workers - len(faults), why
+    # every loss is recovered from once, by the redone step
+    assert len(result.recoveries) == len(faults), why
+    for step, seconds in result.recoveries:
+        assert 0 <= step < 24 and 0 <= seconds < 20, why
+    assert result.samples == sum(min(16, 90 - 16 * (k % 6)) for k in range(24))
+
+
+def test_elastic_is_refused_outside_sync_mode():
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"elastic=True applies to mode='sync'"):
+        towers.train(
+            make_net(), traced_mse, (x, y), batch_size=8, steps=1, mode="async", elastic=True
+        )
+    with pytest.raises(TypeError, match="elastic must be True or False"):
+        towers.train(make_net(), traced_mse, (x, y), batch_size=8, steps=1, elastic="yes")
+
+
+def test_seek_redoes_a_batch_in_dataloader_order():
+    order = BatchOrder(10, 3, True, seed=5)
+    plain = [next(order).tolist() for _ in range(9)]  # three epochs of 4, 3, ... batches
+    for step in (5, 0, 7, 4, 3, 6):
+        order.seek(step)
+        assert [next(order).tolist(), next(order).tolist()] == plain[step : step + 2]
+
+
+def test_the_regroup_flag_is_agreed_through_the_sum():
+    meta = StepMeta(world=3, params=2)
+    grads = torch.ones(2)
+    vectors = [meta.pack(r, 4, 1.0, False, grads, regroup=(r == 1)) for r in range(3)]
+    tally = meta.read(sum(vectors))
+    assert tally.regroup and tally.counts == [4, 4, 4] and tally.had_grad == [True, True]
+    quiet = meta.read(sum(meta.pack(r, 4, 1.0, False, grads) for r in range(3)))
+    assert not quiet.regroup
