@@ -12,7 +12,10 @@ from __future__ import annotations
 import functools
 import os
 import random
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -172,3 +175,22 @@ def test_the_regroup_flag_is_agreed_through_the_sum():
     assert tally.regroup and tally.counts == [4, 4, 4] and tally.had_grad == [True, True]
     quiet = meta.read(sum(meta.pack(r, 4, 1.0, False, grads) for r in range(3)))
     assert not quiet.regroup
+
+
+@pytest.mark.timeout(120)
+def test_demo_with_faults_shows_the_same_parameters(tmp_path):
+    png = tmp_path / "faults.png"
+    cmd = [sys.executable, "-m", "towers", "demo", "--faults", "-n", "2", "--steps", "90"]
+    env = {**os.environ, "PYTHONPATH": str(Path(towers.__file__).parents[1])}
+    out = subprocess.run(
+        [*cmd, "--out", str(png)], env=env, capture_output=True, text=True, timeout=110
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {line[:24].strip(): line[24:].split() for line in out.stdout.splitlines()}
+    assert rows["undisturbed"][1:3] == ["-", "2x90"]
+    assert rows["SIGKILL, not replaced"][1] == "1"  # worker 1 lost, the other trains on
+    assert rows["SIGKILL, not replaced"][2].startswith("2x") and "1x" in out.stdout
+    assert rows["SIGSTOP, replaced"][1] == "1"
+    gaps = re.findall(r"differ from the undisturbed run's by (\S+) at most", out.stdout)
+    assert len(gaps) == 2 and all(float(g) <= 1e-5 for g in gaps)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

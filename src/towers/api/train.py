@@ -28,7 +28,7 @@ from ..core.modes import Mode, parse_mode
 from ..engines.job import EngineResult, Job, LossFn, OptimizerFactory, ScheduleFactory
 from ..engines.job import default_optimizer as _default_optimizer
 from ..engines.run import load_resume, run_elastic, run_job
-from ..processes.elastic import supervise
+from ..processes.elastic import HANG_SECONDS, supervise
 from ..processes.spawn import spawn
 from .result import TrainResult
 from .validate import check_arguments, check_elastic, check_straggle, check_workers, preflight
@@ -238,13 +238,15 @@ def _launch_with_restarts(
 ) -> tuple[EngineResult, int]:
     if job.elastic and not launched and workers > 1:
         # Elastic: lost workers are dropped or replaced while the others train on.
+        timeout = DEFAULT_TIMEOUT if job.timeout is None else job.timeout
         outcome = supervise(
             run_elastic,
             workers,
             job,
             load_resume(job, workers),
             max_restarts=max_restarts,
-            timeout=DEFAULT_TIMEOUT if job.timeout is None else job.timeout,
+            timeout=timeout,
+            hang=min(HANG_SECONDS, timeout),
         )
         out = dataclasses.replace(outcome.result, dead_workers=outcome.dead)
         return out, outcome.replacements

@@ -13,7 +13,10 @@ other processes hits all arms alike; the report gives medians. Arms:
 - ``towers-async``: ``towers.train(mode="async")``: a parameter server and ``workers``
   computing towers, seconds per global batch after the warm-up;
 - ``towers-nccl``: towers' synchronous step on NCCL, one GPU per worker (skipped without as many
-  CUDA devices as workers).
+  CUDA devices as workers);
+- ``train-sync``, ``train-elastic`` (only when named in ``--arms``): ``towers.train`` in sync
+  mode without and with ``elastic=True``, seconds per global batch after the warm-up: what
+  elastic costs when nothing fails.
 
 The sweep times one all-reduce of 4 KB ... 64 MB float32 messages on each transport, next to a
 one-thread memcpy of the same size measured in the same run. Reporting lives in
@@ -58,6 +61,8 @@ ARMS = [
     "towers-shm",
     "towers-async",
     "towers-nccl",
+    "train-sync",
+    "train-elastic",
 ]
 
 
@@ -70,7 +75,7 @@ class BenchConfig:
     steps: int = 20
     warmup: int = 5
     repeats: int = 3
-    arms: Sequence[str] = tuple(ARMS)
+    arms: Sequence[str] = tuple(a for a in ARMS if not a.startswith("train-"))
     bucket_mib: Sequence[float] = (1.0, 25.0)  # extra towers-shm arms (the default is 4 MiB)
     sweep_bytes: Sequence[int] = tuple(SWEEP_BYTES)
     sweep_seconds: float = 0.15  # per size and transport, at most (a few calls at least)
@@ -185,8 +190,8 @@ def _towers(name: str, transport: str, bucket_mib: float, warmup: int, steps: in
         ctx.close()
 
 
-def _async(name: str, workers: int, warmup: int, steps: int) -> float | str:
-    """Seconds per global batch of towers' asynchronous mode, or why it was not measured."""
+def _train(name: str, workers: int, warmup: int, steps: int, **options: Any) -> float:
+    """Seconds per global batch of ``towers.train`` (async mode, or sync with/without elastic)."""
     x, y = (torch.cat(t) for t in zip(*_batches(name)))
     result = train(
         _build(name),
@@ -195,9 +200,9 @@ def _async(name: str, workers: int, warmup: int, steps: int) -> float | str:
         batch_size=MODELS[name][2],
         steps=warmup + steps,
         workers=workers,
-        mode="async",
         optimizer=_sgd,
         progress=False,
+        **options,
     )
     # result.times[k]: seconds from the start until global batch k was complete
     done_warming = result.times[warmup - 1] if warmup else 0.0
@@ -215,7 +220,9 @@ def _arm(name: str, arm: str, cfg: BenchConfig) -> float | str:
     if arm == "ddp":
         return spawn(_ddp, n, name, w, s, timeout=cfg.timeout)[0]
     if arm == "towers-async":
-        return _async(name, n, w, s)
+        return _train(name, n, w, s, mode="async")
+    if arm in ("train-sync", "train-elastic"):  # the steady-state cost of elastic=True
+        return _train(name, n, w, s, elastic=arm == "train-elastic")
     if arm == "towers-nccl" and torch.cuda.device_count() < n:
         return f"skipped: needs {n} CUDA devices, this machine has {torch.cuda.device_count()}"
     if arm.startswith("towers-"):

@@ -11,8 +11,16 @@ from pathlib import Path
 
 __all__ = ["main"]
 
+DEMO_OUT = "towers-demo/loss.png"
+
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.faults:
+        from .faults import faults_demo
+
+        if args.out == DEMO_OUT:
+            args.out = "towers-demo/faults.png"
+        return faults_demo(args)
     from .demo import demo
 
     return demo(args)
@@ -147,7 +155,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
-        "--out", default="towers-demo/loss.png", help="PNG of the loss curves (default %(default)s)"
+        "--out", default=DEMO_OUT, help="PNG of the loss curves (default %(default)s)"
+    )
+    demo.add_argument(
+        "--faults",
+        action="store_true",
+        help="instead: an elastic run that loses a worker midway, against an undisturbed one",
     )
     demo.set_defaults(func=_demo)
 
