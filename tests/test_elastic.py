@@ -10,6 +10,7 @@ random amount of progress, then signals a random worker's pid.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import random
 import re
@@ -27,6 +28,8 @@ from helpers import assert_close_lists, assert_same_parameters, make_net, refere
 import towers
 from towers.core.data import BatchOrder
 from towers.core.step import StepMeta
+
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def _data(n: int = 90) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +120,6 @@ def _run_with_faults(tmp_path, *, workers, transport, faults, restarts, seed):
 CASES = [
     # workers, transport, faults, replacements
     (3, "gloo", [signal.SIGKILL], 0),
-    (2, "shm", [signal.SIGSTOP], 1),
     (4, "shm", [signal.SIGKILL, signal.SIGSTOP], 1),
     (3, "gloo", [signal.SIGSTOP], 1),
 ]
@@ -194,3 +196,57 @@ def test_demo_with_faults_shows_the_same_parameters(tmp_path):
     gaps = re.findall(r"differ from the undisturbed run's by (\S+) at most", out.stdout)
     assert len(gaps) == 2 and all(float(g) <= 1e-5 for g in gaps)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _script_module():
+    spec = importlib.util.spec_from_file_location("elastic_loop", SCRIPTS / "elastic_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("fault", "restarts"), [(signal.SIGKILL, 1)])
+def test_own_loop_under_towers_run_elastic_loses_a_worker_exactly(tmp_path, fault, restarts):
+    seed = random.randrange(1 << 30)
+    progress, out = tmp_path / "progress", tmp_path / "out"
+    progress.mkdir()
+    out.mkdir()
+    rng = random.Random(seed)
+    saboteur = Saboteur(progress, [(rng.randrange(6, 20), fault)], rng)
+    saboteur.start()
+    cmd = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"), "-n", "3"]
+    cmd += ["--elastic", "--max-restarts", str(restarts), "--"]
+    cmd += ["--progress", str(progress), "--out", str(out), "--steps", "40", "--sleep", "0.1"]
+    env = {**os.environ, "PYTHONPATH": str(Path(towers.__file__).parents[1])}
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
+    finally:
+        saboteur.stop.set()
+        saboteur.join()
+    why = f"seed {seed}, faults {saboteur.hit}: {done.stderr[-2000:]}"
+    assert done.returncode == 0, why
+    assert len(saboteur.hit) == 1, why
+    lost = saboteur.hit[0][0]
+    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in out.glob("final-*.pt")}
+    # the replacement (worker 3) joins unless the others finish before it has started
+    assert set(finals) - {3} == {0, 1, 2} - {lost}, why
+    assert f"workers [{lost}] were lost, 1 replaced" in done.stderr, why
+
+    script = _script_module()
+    model = script.build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in script.batches(40):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for final in finals.values():
+        assert final["steps"] == 40
+        got = final["model"]
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # a worker that was there from the start saw every step's loss once
+    assert_close_lists(finals[min(finals)]["losses"], losses)

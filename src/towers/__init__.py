@@ -9,7 +9,8 @@ update per step) or asynchronously (a parameter server). Runs on one machine wit
 The names below are the public API; the subpackages are internal (docs/architecture.md).
 """
 
-from .api.context import Context, init
+from .api.context import Context
+from .api.join import init
 from .api.result import TrainResult
 from .api.train import train
 from .core.average import average_gradients

@@ -15,11 +15,13 @@ member's rank is its index in that list. Its keys:
   members then enter ``g + 1``, which the supervisor publishes without the dead.
 - ``g<g>/regroup``: a replacement is ready and waits in ``g + 1``; the members agree, in the
   metadata of a step, to move there after that step.
-- ``join/<id>``: the generation a replacement enters; ``ready/<id>``: a replacement is built.
+- ``join/<id>``: the generation a replacement enters; ``ready/<id>``: a replacement is built;
+  ``left/<id>``: a worker is done and stopped its heartbeat.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -154,5 +156,8 @@ class Membership:
             generation += 1
 
     def close(self) -> None:
+        """Stop the heartbeat, telling the supervisor that this worker left on purpose."""
         self._stop.set()
         self._thread.join(1.0)
+        with contextlib.suppress(Exception):
+            self.store.set(f"left/{self.id}", "1")

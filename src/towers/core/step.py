@@ -30,6 +30,9 @@ class StepResult:
         tower_samples: each tower's sample count.
         skipped: whether the update was skipped because a loss or gradient was not finite.
         culprits: the towers whose loss or gradient was not finite.
+        redo: only in a job started by ``towers run --elastic``: a peer was lost during this
+            step, nothing was updated, and ``ctx.shards`` yields the same global batch again,
+            split over the survivors (docs/elastic.md).
     """
 
     loss: float
@@ -37,6 +40,7 @@ class StepResult:
     tower_samples: list[int]
     skipped: bool = False
     culprits: list[int] = field(default_factory=list)
+    redo: bool = False
 
     @property
     def samples(self) -> int:

@@ -21,8 +21,10 @@ import multiprocessing.connection
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -31,10 +33,13 @@ import torch.distributed as dist
 
 from ..comm.membership import key
 from ..comm.net import DEFAULT_ADDR, free_port
-from .env import worker_env
-from .spawn import WorkerError, _context, _failure, _stop, _worker_main
+from .env import cpu_count, describe_exit, worker_env
+from .spawn import WorkerError, _context, _failure, _worker_main
 
-__all__ = ["HANG_SECONDS", "ElasticOutcome", "supervise"]
+__all__ = ["ELASTIC_ENV", "HANG_SECONDS", "ElasticOutcome", "run_script_elastic", "supervise"]
+
+# Set by towers run --elastic in each worker: "1", or "join" for a replacement.
+ELASTIC_ENV = "TOWERS_ELASTIC"
 
 # A worker whose heartbeat (every 0.2 s, from a thread) stops this long is hung: it is killed
 # and training goes on without it. Short, because a false alarm costs only a regroup.
@@ -71,26 +76,56 @@ def _host_store(addr: str, port: int, timeout: float) -> Any:
     )
 
 
+class _Forked:
+    """A worker forked by :mod:`multiprocessing` that reports its result through a pipe."""
+
+    def __init__(self, proc: Any, conn: multiprocessing.connection.Connection):
+        self.proc, self.conn = proc, conn
+
+    def waitables(self) -> list[Any]:
+        return [self.conn, self.proc.sentinel]
+
+    def outcome(self, ready: list[Any]) -> tuple[str, list[Any]] | None:
+        """``("ok", [result])``, ``("error", [exc, traceback])``, ``("died", [])`` or ``None``."""
+        if self.conn in ready or (self.proc.sentinel in ready and self.conn.poll()):
+            try:
+                status, *rest = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return "died", []
+            return status, rest
+        if self.proc.sentinel in ready:
+            return "died", []
+        return None
+
+    def failure(self, wid: int, rest: list[Any]) -> BaseException:
+        return _failure(wid, self.proc, "error", rest)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+
+
 class _Supervisor:
     def __init__(
         self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
+        start: Callable[[int, bool, dict[str, str]], Any],
         workers: int,
         max_restarts: int,
         hang: float,
         addr: str,
         timeout: float,
     ):
-        self.fn, self.args, self.workers = fn, args, workers
+        self.start_worker, self.workers = start, workers
         self.max_restarts, self.hang, self.addr = max_restarts, hang, addr
         self.port = free_port(addr)
         self.store = _host_store(addr, self.port, timeout)
-        self.ctx = _context()
-        self.procs: dict[int, tuple[Any, multiprocessing.connection.Connection]] = {}
+        self.procs: dict[int, Any] = {}
         self.generations: dict[int, list[int]] = {}
         self.marked: set[int] = set()  # generations announced as failed
         self.waiting: set[int] = set()  # replacements not yet let in
+        self.admitted: dict[int, int] = {}  # replacement -> the generation it was let into
+        self.finishing = False  # a worker has finished: the job is ending
         self.beats: dict[int, tuple[int, float]] = {}  # id -> (count, when it last changed)
         self.outcome = ElasticOutcome(None)
         self.next_id = workers
@@ -105,45 +140,57 @@ class _Supervisor:
         return g
 
     def _start(self, wid: int, joining: bool) -> None:
-        recv, send = self.ctx.Pipe(duplex=False)
         env = {**os.environ, **worker_env(wid, self.workers, self.addr, self.port)}
-        args = (*self.args, joining)
-        p = self.ctx.Process(target=_worker_main, args=(self.fn, env, send, args), daemon=True)
-        p.start()
-        send.close()
-        self.procs[wid] = (p, recv)
+        self.procs[wid] = self.start_worker(wid, joining, env)
 
-    def run(self) -> ElasticOutcome:
-        while True:
-            waits = [c for _, c in self.procs.values()] + [
-                p.sentinel for p, _ in self.procs.values()
-            ]
-            ready = multiprocessing.connection.wait(waits, timeout=_TICK)
-            for wid, (p, conn) in list(self.procs.items()):
-                if conn in ready or (p.sentinel in ready and conn.poll()):
-                    try:
-                        status, *rest = pickle.loads(conn.recv_bytes())
-                    except (EOFError, OSError):
-                        status, rest = "died", []
-                elif p.sentinel in ready:
-                    status, rest = "died", []
-                else:
+    def run(self, until_all: bool = False) -> ElasticOutcome:
+        """Supervise until a worker returns a result (``until_all``: until every one has)."""
+        while self.procs:
+            waits = [w for handle in self.procs.values() for w in handle.waitables()]
+            if waits:
+                ready = multiprocessing.connection.wait(waits, timeout=_TICK)
+            else:
+                time.sleep(_TICK)
+                ready = []
+            for wid, handle in list(self.procs.items()):
+                seen = handle.outcome(ready)
+                if seen is None:
                     continue
-                if status == "ok" and rest[0] is not None:
+                status, rest = seen
+                if status == "error":
+                    raise handle.failure(wid, rest)
+                if status == "ok" and until_all:
+                    del self.procs[wid]
+                    self.outcome.result = rest[0]
+                    self.finishing = True
+                elif status == "ok" and rest[0] is not None:
                     self.outcome.result = rest[0]
                     return self.outcome
-                if status == "error":
-                    raise _failure(wid, p, status, rest)
-                self._lost(wid, time.time())
+                else:
+                    self._lost(wid, time.time())
             self._watch_heartbeats()
-            self._admit()
+            if self.finishing:
+                self._dismiss_latecomers()
+            else:
+                self._admit()
+        return self.outcome
+
+    def _dismiss_latecomers(self) -> None:
+        """Stop replacements that the finished members will never take in."""
+        for wid in list(self.waiting) + list(self.admitted):
+            g = self.admitted.get(wid)
+            formed = g is not None and self.store.add(key(g, "here"), 0) >= len(self.generations[g])
+            if wid in self.procs and not formed:
+                self.procs.pop(wid).kill()
+                self.waiting.discard(wid)
+                self.admitted.pop(wid, None)
 
     def _watch_heartbeats(self) -> None:
         now = time.monotonic()
         for wid in list(self.procs):
             count = self.store.add(f"hb/{wid}", 0)
-            if count == 0:
-                continue  # not connected yet: its process is watched
+            if count == 0 or self.store.check([f"left/{wid}"]):
+                continue  # not connected yet, or done: its process is watched
             seen = self.beats.get(wid)
             if seen is None or seen[0] != count:
                 self.beats[wid] = (count, now)
@@ -152,10 +199,7 @@ class _Supervisor:
 
     def _lost(self, wid: int, at: float) -> None:
         """Kill ``wid`` (it may be hung), announce the loss, replace it if allowed."""
-        p, conn = self.procs.pop(wid)
-        p.kill()
-        p.join()
-        conn.close()
+        self.procs.pop(wid).kill()
         self.beats.pop(wid, None)
         self.outcome.dead.append(wid)
         if wid in self.waiting:
@@ -171,14 +215,13 @@ class _Supervisor:
                 survivors = [m for m in latest if m != wid]
                 if not survivors:
                     raise WorkerError(
-                        f"every worker of the elastic job was lost (the last, worker {wid}, "
-                        f"{'hung' if p.exitcode == -9 else 'died'}); nothing is left to resume "
-                        "from: use checkpoint= to keep the progress on disk",
+                        f"every worker of the elastic job was lost (the last: worker {wid}); "
+                        "nothing is left to resume from: use checkpoint= to keep the progress "
+                        "on disk",
                         wid,
-                        p.exitcode,
                     )
                 self._publish(survivors)
-        if self.outcome.replacements < self.max_restarts:
+        if self.outcome.replacements < self.max_restarts and not self.finishing:
             self.outcome.replacements += 1
             self.waiting.add(self.next_id)
             self._start(self.next_id, joining=True)
@@ -192,14 +235,13 @@ class _Supervisor:
             self.waiting.discard(wid)
             current = len(self.generations) - 1
             g = self._publish([*self.generations[current], wid])
+            self.admitted[wid] = g
             self.store.set(f"join/{wid}", str(g))
             self.store.set(key(current, "regroup"), "1")
 
     def stop(self) -> None:
-        procs = [p for p, _ in self.procs.values()]
-        _stop(procs)
-        for _, conn in self.procs.values():
-            conn.close()
+        for handle in self.procs.values():
+            handle.kill()
 
 
 def supervise(
@@ -222,8 +264,84 @@ def supervise(
         WorkerError: every worker was lost.
         Exception: what a worker raised.
     """
-    sup = _Supervisor(fn, args, workers, max_restarts, hang, addr, timeout)
+    ctx = _context()
+
+    def start(wid: int, joining: bool, env: dict[str, str]) -> _Forked:
+        recv, send = ctx.Pipe(duplex=False)
+        job = (fn, env, send, (*args, joining))
+        p = ctx.Process(target=_worker_main, args=job, daemon=True)
+        p.start()
+        send.close()
+        return _Forked(p, recv)
+
+    sup = _Supervisor(start, workers, max_restarts, hang, addr, timeout)
     try:
         return sup.run()
     finally:
         sup.stop()
+
+
+class _Script:
+    """A worker that runs a script (``towers run --elastic``): exit 0 is done, a signal lost."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]):
+        self.proc = proc
+
+    def waitables(self) -> list[Any]:
+        return []
+
+    def outcome(self, ready: list[Any]) -> tuple[str, list[Any]] | None:
+        code = self.proc.poll()
+        if code is None:
+            return None
+        if code == 0:
+            return "ok", [None]
+        return ("died", []) if code < 0 else ("error", [code])
+
+    def failure(self, wid: int, rest: list[Any]) -> BaseException:
+        return WorkerError(f"worker {wid} failed with {describe_exit(rest[0])}", wid, rest[0])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def run_script_elastic(
+    script: str,
+    workers: int,
+    args: Sequence[str] = (),
+    *,
+    max_restarts: int = 0,
+    timeout: float = 60.0,
+    addr: str = DEFAULT_ADDR,
+) -> int:
+    """``towers run --elastic``: run ``python SCRIPT ARGS`` as an elastic job of ``workers``.
+
+    A worker killed by a signal or hung is lost and the others go on (up to ``max_restarts``
+    replacements join); one that exits non-zero fails the job. Returns 0 when every remaining
+    worker has exited 0, else the failed worker's exit code.
+    """
+    threads = str(max(1, cpu_count() // workers))
+
+    def start(wid: int, joining: bool, env: dict[str, str]) -> _Script:
+        env = {**env, ELASTIC_ENV: "join" if joining else "1"}
+        env.setdefault("OMP_NUM_THREADS", threads)
+        return _Script(subprocess.Popen([sys.executable, script, *args], env=env))
+
+    sup = _Supervisor(start, workers, max_restarts, min(HANG_SECONDS, timeout), addr, timeout)
+    try:
+        outcome = sup.run(until_all=True)
+    except WorkerError as exc:
+        print(f"towers run: {exc}", file=sys.stderr)
+        code = exc.exitcode or 1
+        return code if code > 0 else 128 - code
+    finally:
+        sup.stop()
+    if outcome.dead:
+        print(
+            f"towers run: workers {outcome.dead} were lost, {outcome.replacements} replaced; "
+            "the others trained on",
+            file=sys.stderr,
+        )
+    return 0

@@ -79,6 +79,15 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     os.environ["TOWERS_MODE"] = str(mode)
+    if args.elastic:
+        from ..processes.elastic import run_script_elastic
+
+        if mode.name != "sync" or args.max_restarts < 0:
+            print("towers run: --elastic needs sync mode and --max-restarts >= 0", file=sys.stderr)
+            return 2
+        return run_script_elastic(
+            args.script, processes, args.script_args, max_restarts=args.max_restarts
+        )
     return run_script(args.script, processes, args.script_args, addr=args.addr, port=args.port)
 
 
@@ -138,6 +147,40 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=_bench)
 
 
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser(
+        "run",
+        help="run a script as N local workers (the torchrun environment)",
+        usage="towers run SCRIPT [-n N] [--mode M] [--addr A] [--port P] "
+        "[--elastic [--max-restarts R]] -- [ARGS ...]",
+        description="Start N copies of SCRIPT with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
+        "MASTER_PORT set as torchrun sets them; stop them all if one fails. Arguments after -- "
+        "go to the script.",
+    )
+    run.add_argument("script")
+    run.add_argument("-n", "--nproc", type=int, default=2, help="workers (default 2)")
+    run.add_argument(
+        "--mode",
+        default="sync",
+        help="mode for towers.train in the script (default sync); an asynchronous mode adds "
+        "the parameter server as rank 0",
+    )
+    run.add_argument("--addr", default="127.0.0.1", help="rendezvous address (default loopback)")
+    run.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    run.add_argument(
+        "--elastic",
+        action="store_true",
+        help="own-loop scripts: go on without a worker that dies or hangs (docs/elastic.md)",
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="with --elastic: replacements that may join a running job (default 0)",
+    )
+    run.set_defaults(func=_run)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="towers", description="Data-parallel training of PyTorch models."
@@ -188,25 +231,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     cmp.set_defaults(func=_compare)
 
-    run = sub.add_parser(
-        "run",
-        help="run a script as N local workers (the torchrun environment)",
-        usage="towers run SCRIPT [-n N] [--mode M] [--addr A] [--port P] -- [ARGS ...]",
-        description="Start N copies of SCRIPT with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
-        "MASTER_PORT set as torchrun sets them; stop them all if one fails. Arguments after -- "
-        "go to the script.",
-    )
-    run.add_argument("script")
-    run.add_argument("-n", "--nproc", type=int, default=2, help="workers (default 2)")
-    run.add_argument(
-        "--mode",
-        default="sync",
-        help="mode for towers.train in the script (default sync); an asynchronous mode adds "
-        "the parameter server as rank 0",
-    )
-    run.add_argument("--addr", default="127.0.0.1", help="rendezvous address (default loopback)")
-    run.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
-    run.set_defaults(func=_run)
+    _add_run(sub)
     _add_bench(sub)
     return parser
 

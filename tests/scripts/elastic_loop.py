@@ -1,0 +1,63 @@
+"""An own-loop script for ``towers run --elastic``: the test loses one of its workers midway.
+
+Each worker grows its file in ``--progress`` by a byte per step (so the test can pick a moment
+and a victim), and every worker that finishes writes its final parameters and the losses to
+``--out``. The loop only adds ``if r.redo: continue`` to the usual own loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from torch import nn
+
+import towers
+
+
+def batches(steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(29, 3, generator=g)
+        out.append((x, (x[:, :1] * 2 - x[:, 1:2]).sin()))
+    return out
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--sleep", type=float, default=0.03, help="seconds per step")
+    parser.add_argument("--progress", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ctx = towers.init()
+    model = ctx.replicate(build())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    mine = os.path.join(args.progress, f"{os.environ['RANK']}-{os.getpid()}")
+    for x, y in ctx.shards(batches(args.steps)):
+        with open(mine, "a") as f:
+            f.write(".")
+        time.sleep(args.sleep)
+        r = ctx.step(nn.functional.mse_loss(model(x), y), opt)
+        if r.redo:  # a peer was lost: the same global batch comes again, re-split
+            continue
+        losses.append(r.loss)
+    ctx.close()
+    torch.save(
+        {"model": model.state_dict(), "losses": losses, "steps": ctx.steps},
+        os.path.join(args.out, f"final-{os.environ['RANK']}.pt"),
+    )
+
+
+if __name__ == "__main__":
+    main()
