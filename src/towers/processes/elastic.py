@@ -3,7 +3,8 @@
 The supervisor is the process that asked for the job (the caller of ``towers.train``), so the
 job's store (:mod:`towers.comm.membership`) lives as long as the job, whichever worker dies. It
 watches every worker's process and heartbeat: a worker that exits without a result, or whose
-heartbeat stops for :data:`HANG_SECONDS` (SIGSTOP, a deadlock holding the GIL), is lost. The
+heartbeat stops for :data:`HANG_SECONDS` while its process is stopped (SIGSTOP), or for the
+job's timeout in any case (an operation that holds the GIL that long), is lost. The
 supervisor kills it first (so that no peer's Gloo thread stays blocked on it), then marks the
 generations it belonged to as failed and publishes the next one without it. With
 ``max_restarts`` it starts a replacement, which is let in (at a step boundary, see
@@ -41,8 +42,9 @@ __all__ = ["ELASTIC_ENV", "HANG_SECONDS", "ElasticOutcome", "run_script_elastic"
 # Set by towers run --elastic in each worker: "1", or "join" for a replacement.
 ELASTIC_ENV = "TOWERS_ELASTIC"
 
-# A worker whose heartbeat (every 0.2 s, from a thread) stops this long is hung: it is killed
-# and training goes on without it. Short, because a false alarm costs only a regroup.
+# A worker whose heartbeat (every 0.2 s, from a thread) stops this long while its process is
+# stopped (SIGSTOP, a debugger) is hung: it is killed and training goes on without it. A running
+# process whose heartbeat is silent (one long operation holding the GIL) gets the full timeout.
 HANG_SECONDS = 3.0
 _TICK = 0.1
 
@@ -76,11 +78,21 @@ def _host_store(addr: str, port: int, timeout: float) -> Any:
     )
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (``T`` in /proc: SIGSTOP, or traced)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
 class _Forked:
     """A worker forked by :mod:`multiprocessing` that reports its result through a pipe."""
 
     def __init__(self, proc: Any, conn: multiprocessing.connection.Connection):
         self.proc, self.conn = proc, conn
+        self.pid = proc.pid
 
     def waitables(self) -> list[Any]:
         return [self.conn, self.proc.sentinel]
@@ -118,6 +130,7 @@ class _Supervisor:
     ):
         self.start_worker, self.workers = start, workers
         self.max_restarts, self.hang, self.addr = max_restarts, hang, addr
+        self.timeout = timeout
         self.port = free_port(addr)
         self.store = _host_store(addr, self.port, timeout)
         self.procs: dict[int, Any] = {}
@@ -194,7 +207,9 @@ class _Supervisor:
             seen = self.beats.get(wid)
             if seen is None or seen[0] != count:
                 self.beats[wid] = (count, now)
-            elif now - seen[1] > self.hang:
+            elif now - seen[1] > self.hang and (
+                _stopped(self.procs[wid].pid) or now - seen[1] > self.timeout
+            ):
                 self._lost(wid, time.time() - (now - seen[1]))
 
     def _lost(self, wid: int, at: float) -> None:
@@ -286,6 +301,7 @@ class _Script:
 
     def __init__(self, proc: subprocess.Popen[bytes]):
         self.proc = proc
+        self.pid = proc.pid
 
     def waitables(self) -> list[Any]:
         return []
