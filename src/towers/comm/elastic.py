@@ -85,8 +85,10 @@ class ElasticConnection:
         self.comm = LocalComm()
         if dist.is_initialized():
             dist.destroy_process_group()
-        gc.collect()
 
     def close(self) -> None:
         self._abandon()
+        # Let go of the groups now, while the interpreter is whole: a Gloo group destroyed
+        # during interpreter shutdown can abort the process (std::terminate in a thread).
+        gc.collect()
         self.membership.close()
