@@ -250,3 +250,23 @@ def test_own_loop_under_towers_run_elastic_loses_a_worker_exactly(tmp_path, faul
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
     # a worker that was there from the start saw every step's loss once
     assert_close_lists(finals[min(finals)]["losses"], losses)
+
+
+def failing_mse(model: torch.nn.Module, shard) -> torch.Tensor:
+    """Raises in worker 1 on its third shard: a bug, not a lost worker."""
+    if os.environ.get("RANK") == "1":
+        failing_mse.calls = getattr(failing_mse, "calls", 0) + 1
+        if failing_mse.calls == 3:
+            raise ArithmeticError("a bug in loss_fn")
+    x, y = shard
+    return (model(x) - y).square().mean()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_raises_fails_an_elastic_job_with_its_error():
+    x, y = _data()
+    with pytest.raises(ArithmeticError, match="a bug in loss_fn") as info:
+        towers.train(
+            make_net(), failing_mse, (x, y), batch_size=16, steps=6, workers=2, elastic=True
+        )
+    assert "raised in towers worker 1" in "".join(getattr(info.value, "__notes__", []))
