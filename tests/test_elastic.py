@@ -151,7 +151,7 @@ def test_lost_workers_leave_the_parameters_unchanged(
     assert result.samples == sum(min(16, 90 - 16 * (k % 6)) for k in range(24))
 
 
-def test_elastic_is_refused_outside_sync_mode():
+def test_elastic_is_refused_outside_sync_mode(monkeypatch):
     x, y = _data()
     with pytest.raises(ValueError, match=r"elastic=True applies to mode='sync'"):
         towers.train(
@@ -159,6 +159,14 @@ def test_elastic_is_refused_outside_sync_mode():
         )
     with pytest.raises(TypeError, match="elastic must be True or False"):
         towers.train(make_net(), traced_mse, (x, y), batch_size=8, steps=1, elastic="yes")
+    launched = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for name, value in launched.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="not for a job started by towers run or torchrun"):
+        towers.train(make_net(), traced_mse, (x, y), batch_size=8, steps=1, elastic=True)
+    monkeypatch.setenv("TOWERS_ELASTIC", "1")
+    with pytest.raises(ValueError, match="towers run --elastic runs own-loop scripts"):
+        towers.train(make_net(), traced_mse, (x, y), batch_size=8, steps=1)
 
 
 def test_seek_redoes_a_batch_in_dataloader_order():

@@ -24,6 +24,7 @@ from ..core.modes import Mode
 from ..core.split import leaves, split
 from ..engines.job import Job
 from ..engines.replica import check_loss
+from ..processes.elastic import ELASTIC_ENV
 
 __all__ = [
     "check_arguments",
@@ -194,6 +195,12 @@ def check_elastic(elastic: Any, mode: Mode, transport: str | None, launched: boo
     """``elastic=True`` needs sync mode, CPU workers, and local workers started by ``train``."""
     if not isinstance(elastic, bool):
         raise TypeError(f"elastic must be True or False, got {elastic!r}")
+    if launched and os.environ.get(ELASTIC_ENV):
+        raise ValueError(
+            "towers run --elastic runs own-loop scripts (towers.init); a script that calls "
+            "train() runs elastic as a plain python process: train(..., elastic=True) starts "
+            "and supervises its workers itself"
+        )
     if not elastic:
         return
     if mode.name != "sync":
@@ -209,6 +216,7 @@ def check_elastic(elastic: Any, mode: Mode, transport: str | None, launched: boo
         )
     if launched:
         raise ValueError(
-            "elastic=True is for workers that train() starts itself; in a job started by "
-            "towers run or torchrun, start it with towers run --elastic instead"
+            "elastic=True is for workers that train() starts itself, not for a job started by "
+            "towers run or torchrun: run the script with plain python (own loops: "
+            "towers run --elastic, docs/elastic.md)"
         )
