@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -85,8 +87,18 @@ class Membership:
                     continue
                 failed = store.check([key(g, "failed")])
                 regroup = store.check([key(g, "regroup")])
-            except Exception:  # the store is gone: the job is over
-                return
+            except Exception:
+                if self._stop.is_set():
+                    return
+                # The store lives in the supervisor: without it this worker would train on as
+                # a ghost, so it ends now.
+                print(
+                    f"towers: worker {self.id} lost the job's supervisor (the caller of train, or "
+                    "towers run); stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
             with self._lock:
                 if g == self.generation:
                     if failed:
