@@ -17,6 +17,7 @@ from torch import nn
 
 from ..comm.base import Comm
 from ..comm.group import Connection, connect
+from ..core.args import check_timeout
 from ..core.split import batch_size, map_batch, split
 from ..core.step import StepResult
 from ..engines import checkpoint
@@ -226,4 +227,5 @@ def init(
             "towers.train; the own-loop API (init/replicate/step) is synchronous: start the "
             "script without --mode, or train with towers.train(..., mode=...)"
         )
+    timeout = check_timeout(timeout)
     return Context(connect(backend=backend, timeout=timeout, transport=transport))

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..comm.group import launched_env
+from ..core.args import check_timeout
 from ..core.data import batches_per_epoch
 from ..core.messages import first_line
 from ..core.modes import Mode, parse_mode
@@ -151,6 +152,7 @@ def train(
         transport=transport,
         log_dir=log_dir,
     )
+    timeout = check_timeout(timeout)
     if (steps is None) == (epochs is None):
         raise ValueError(
             "give either steps= (global batches) or epochs= (passes over the data), not "

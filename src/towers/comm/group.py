@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.messages import first_line
 from .base import Comm, DistComm, LocalComm
 from .net import is_loopback
 from .shm import ShmComm, ShmUnavailable
@@ -71,11 +72,10 @@ def _loopback_store(addr: str, port: int, rank: int, world: int, timeout: timede
     try:
         return dist.TCPStore(addr, port, world, False, timeout)
     except dist.DistError as exc:
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise TimeoutError(
             f"rank {rank} could not reach the rendezvous at {addr}:{port} within "
             f"{timeout.total_seconds():g} s: is rank 0 running, and are MASTER_ADDR and "
-            f"MASTER_PORT right? ({first})"
+            f"MASTER_PORT right? ({first_line(exc)})"
         ) from None
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..comm.net import DEFAULT_ADDR, free_port
+from ..core.args import check_timeout
 from .env import describe_exit, set_worker_threads, worker_env
 
 __all__ = ["WorkerError", "spawn"]
@@ -146,6 +147,7 @@ def spawn(
         raise TypeError(f"workers must be an int, got {type(workers).__name__}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    timeout = check_timeout(timeout)
     port = free_port(addr) if port is None else port
     ctx = _context()
     procs, conns = [], []

@@ -37,6 +37,7 @@ from torch import nn
 from ..api.context import init
 from ..api.train import train
 from ..comm.group import init_process_group
+from ..core.messages import first_line
 from ..core.split import split
 from ..processes.env import cpu_count
 from ..processes.spawn import spawn
@@ -299,7 +300,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
                 try:
                     value = _arm(name, arm, cfg)
                 except Exception as exc:  # one failed run (a port taken, a timeout) is a gap
-                    value = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                    value = f"failed: {first_line(exc)}"
                 raw[name][arm].append(value)
                 shown = f"{value * 1e3:.2f} ms/step" if isinstance(value, float) else value
                 log(f"repeat {rep + 1}/{cfg.repeats} {name:<4} {arm:<20} {shown}")
