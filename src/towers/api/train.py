@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from ..core.modes import Mode, parse_mode
 from ..engines.job import EngineResult, Job, LossFn, OptimizerFactory, ScheduleFactory
 from ..engines.job import default_optimizer as _default_optimizer
 from ..engines.run import load_resume, run_job
+from ..processes.lifeline import Terminated, sigterm_interrupts, stopped_line
 from ..processes.spawn import spawn
 from .result import TrainResult
 from .validate import check_arguments, check_straggle, check_workers, preflight
@@ -130,6 +132,11 @@ def train(
     Returns:
         A :class:`TrainResult`.
 
+    Raises:
+        SystemExit: on Ctrl-C or ``SIGTERM`` (code 130 or 143), after stopping every worker and
+            printing one line that says where the last checkpoint is. Workers also die when
+            this process is killed outright (``SIGKILL``, the OOM killer).
+
     Example:
         >>> result = towers.train(model, mse, (x, y), batch_size=50, steps=100, workers=4)
         >>> result.losses[-1] < result.losses[0]  # doctest: +SKIP
@@ -184,7 +191,13 @@ def train(
         transport=transport,
     )
     preflight(job, workers)
-    out, restarts = _launch_with_restarts(job, workers, launched, max_restarts)
+    try:
+        with sigterm_interrupts():
+            out, restarts = _launch_with_restarts(job, workers, launched, max_restarts)
+    except KeyboardInterrupt as exc:
+        # The workers are stopped by now; a traceback would bury the one thing to know.
+        print(stopped_line(exc, job.checkpoint), file=sys.stderr, flush=True)
+        raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
     return _result(model, job, workers, restarts, out)
 
 

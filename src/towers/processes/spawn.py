@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from ..comm.net import DEFAULT_ADDR, free_port
 from ..core.args import check_timeout
 from .env import describe_exit, set_worker_threads, worker_env
+from .lifeline import watch_caller
 
 __all__ = ["WorkerError", "spawn"]
 
@@ -49,6 +50,7 @@ def _worker_main(
 ) -> None:
     # The forkserver's environment is the caller's as it was when the server started: give the
     # worker the caller's environment as it is now, plus the launcher's variables.
+    watch_caller(conn.fileno())  # die with the caller, however it dies
     os.environ.clear()
     os.environ.update(env)
     set_worker_threads(int(env["LOCAL_WORLD_SIZE"]))
