@@ -140,7 +140,8 @@ class Context:
 
         Rank 0 writes ``step-NNNNNNNN.pt`` atomically (temporary file, then rename) with the
         model, optimizer and schedule state, every rank's RNG state and ``extra`` (tensors and
-        plain values only); the two newest checkpoints are kept.
+        plain values only); the two newest checkpoints are kept. A write that fails (a full
+        disk) warns and training goes on: the state is still in memory.
         """
         rng = self.comm.all_gather_object(torch.get_rng_state())
         if not self.is_main:
@@ -152,7 +153,7 @@ class Context:
             "rng": rng,
             "extra": extra or {},
         }
-        checkpoint.save(directory, step, "loop", payload)
+        checkpoint.save_or_warn(directory, step, "loop", payload)
 
     def load_checkpoint(
         self,

@@ -27,6 +27,8 @@ from ..core.args import check_timeout
 from ..core.data import batches_per_epoch
 from ..core.messages import first_line
 from ..core.modes import Mode, parse_mode
+from ..engines import checkpoint as checkpoint_files
+from ..engines.checkpoint import estimate_bytes
 from ..engines.job import EngineResult, Job, LossFn, OptimizerFactory, ScheduleFactory
 from ..engines.job import default_optimizer as _default_optimizer
 from ..engines.run import load_resume, run_job
@@ -191,6 +193,8 @@ def train(
         transport=transport,
     )
     preflight(job, workers)
+    if job.checkpoint is not None and (not launched or os.environ.get("RANK") == "0"):
+        checkpoint_files.prepare_directory(job.checkpoint, estimate_bytes(model, n))
     try:
         with sigterm_interrupts():
             out, restarts = _launch_with_restarts(job, workers, launched, max_restarts)

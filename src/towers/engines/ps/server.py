@@ -121,7 +121,7 @@ class Server:
             seconds = s.record.prior_seconds + self.elapsed()
             todo = self.policy.unapplied(self)
             payload = resume.snapshot(self.job, s, self.replica, todo, seconds)
-            checkpoint.save(self.job.checkpoint, s.done, "ps", payload)
+            checkpoint.save_or_warn(self.job.checkpoint, s.done, "ps", payload)
             s.saved = s.done
 
     # -- what the policies use -------------------------------------------------------------

@@ -91,7 +91,7 @@ class _Run:
             "record": asdict(self.record),
             **self.replica.state(),
         }
-        checkpoint.save(self.job.checkpoint, done, "sync", payload)  # type: ignore[arg-type]
+        checkpoint.save_or_warn(self.job.checkpoint, done, "sync", payload)  # type: ignore[arg-type]
 
     def _due(self, done: int) -> bool:
         job = self.job
