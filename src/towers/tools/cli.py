@@ -79,7 +79,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench_report import table, write
 
     options: dict = {"workers": args.workers}
-    for key, least in (("steps", 1), ("warmup", 0), ("repeats", 1)):
+    for key, least in (("steps", 1), ("warmup", 0), ("repeats", 1), ("load", 0)):
         value = getattr(args, key)
         if value is not None and value < least:
             print(f"towers bench: --{key} must be >= {least}, got {value}", file=sys.stderr)
@@ -123,6 +123,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--repeats", type=int, default=None, help="interleaved repeats (3)")
     bench.add_argument(
         "--buckets", default=None, help="extra towers-shm bucket sizes in MiB (default 1,25)"
+    )
+    bench.add_argument(
+        "--load",
+        type=int,
+        default=None,
+        metavar="K",
+        help="start K CPU-spinning processes beside every arm, as on a busy machine (0)",
     )
     bench.add_argument("--no-sweep", action="store_true", help="skip the all-reduce sweep")
     bench.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
