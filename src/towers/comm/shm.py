@@ -32,12 +32,13 @@ and gains nothing measurable on 2 cores (docs/performance.md).
 
 Synchronisation: one named POSIX semaphore per rank. Arriving at a barrier posts one token to
 every other rank and takes ``world_size - 1`` from its own; since no rank passes barrier k
-before every rank arrived at it, counting tokens is enough. A waiter polls for up to ``spin``
-seconds, yielding the core between polls (so that with more workers than cores the rank it
-waits for can run), then blocks in ``sem_timedwait``. On 2 cores polling 1 ms halves the latency
-of a small all-reduce (24 us against 45 us with 2 workers, 77 against 128 us with 4) and changes
-step times by less than the noise, up to 8 workers (docs/performance.md). A blocked waiter
-checks that its peers are alive, and gives up after ``timeout`` seconds.
+before every rank arrived at it, counting tokens is enough. How a rank waits for its tokens is
+:class:`towers.comm.wait.Waiter`'s: it polls (without yielding) only while recent waits were
+shorter than ``spin`` (100 us), and otherwise sleeps in ``sem_timedwait`` at once, so that a
+waiting rank leaves the core to its peers and to other jobs on a busy machine. An earlier
+version yield-polled for 1 ms on every barrier: under one busy process on 2 cores that made
+the step 2.2 times slower than sleeping (docs/performance.md). A blocked waiter checks that its
+peers are alive, and gives up after ``timeout`` seconds.
 
 Nothing outlives the job: rank 0 unlinks the segment file and the semaphores as soon as every
 rank has attached, so the memory is freed when the last process exits, even on ``SIGKILL``
@@ -58,6 +59,7 @@ import torch
 
 from .base import Comm, Work
 from .segment import SHM_DIR, ShmUnavailable, alive, host_key, open_shared
+from .wait import DEFAULT_SPIN_SECONDS, Waiter
 
 __all__ = ["SHM_DIR", "ShmComm", "ShmUnavailable"]
 
@@ -65,8 +67,6 @@ DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
 # Below this, one barrier and every rank summing everything beats reduce-scatter/all-gather,
 # whose second barrier and extra kernel launches cost more than the bandwidth they save.
 SMALL_BYTES = 256 * 1024
-# How long a waiter polls before it sleeps on its semaphore (see the module doc).
-DEFAULT_SPIN_SECONDS = 1e-3
 _ALIGN = 64
 _SLICE = 0.25  # seconds between liveness checks of the peers while blocked
 
@@ -98,7 +98,8 @@ class ShmComm:
     Built collectively on every rank of ``base`` (a process group whose ranks share this host);
     ``base`` carries the other collectives. ``all_reduce_sum`` returns at once; the sum runs
     when the work is waited on (or on a helper thread with ``threaded=True``), in launch order
-    either way. A barrier polls for ``spin`` seconds before it blocks.
+    either way. A barrier polls for at most ``spin`` seconds, and only while recent waits were
+    that short, before it sleeps (:class:`~towers.comm.wait.Waiter`).
 
     Raises:
         ShmUnavailable: on every rank alike, if the ranks are not on one host or the segment
@@ -129,6 +130,7 @@ class ShmComm:
         size = (2 * self.world_size + 1) * self.slot_bytes
         self._bytes, self._sems = open_shared(base, size, self.world_size)
         self._mine = self._sems[self.rank]
+        self._waiter = Waiter(self._mine, spin)
         self._others = [s for r, s in enumerate(self._sems) if r != self.rank]
         # buffers from buffer(): (start address, end address, every rank's bytes)
         self._regions: list[tuple[int, int, list[torch.Tensor]]] = []
@@ -348,17 +350,9 @@ class ShmComm:
     def _barrier(self) -> None:
         for sem in self._others:
             sem.release()
-        need = self.world_size - 1
-        mine = self._mine
-        if self.spin > 0:
-            stop = time.perf_counter() + self.spin
-            while need:
-                if mine.acquire(False):
-                    need -= 1
-                elif time.perf_counter() < stop:
-                    os.sched_yield()
-                else:
-                    break
+        mine, waiter = self._mine, self._waiter
+        start = waiter.start()
+        need = waiter.poll(self.world_size - 1)
         deadline = time.monotonic() + self.timeout
         while need:
             if mine.acquire(True, _SLICE):
@@ -376,3 +370,4 @@ class ShmComm:
                     "a shared-memory all-reduce; is a worker stuck, or did the ranks issue "
                     "different collectives?"
                 )
+        waiter.done(start)
