@@ -22,9 +22,13 @@ Writing a slot again two chunks later is safe without a third barrier: the chunk
 passed a barrier that every rank reaches only after it finished reading the older chunk.
 
 Buffers lent by :meth:`ShmComm.buffer` (the engine packs its gradient buckets into them) skip the
-copies: each rank adds the peers' part r to its own buffer in place, then copies the other
-parts from their owners' buffers, and a third barrier keeps it from writing its buffer again
-while a peer still reads it. That moves about 2.5 times fewer bytes.
+copies: after a barrier, rank r adds the peers' part r to its own buffer in place and writes
+the sum into part r of every peer's buffer; a second barrier, and every buffer holds the whole
+sum. Between the barriers only rank r touches part r of any buffer, and after the second no
+rank reads another's buffer, so each may write its own again at once (the next gradients).
+Pushing the sums (instead of each rank pulling the others' parts after the second barrier)
+saves the third barrier that pulling needs, and each barrier is a point where a rank on a busy
+machine may wait for a peer that is not running. That moves about 2.5 times fewer bytes.
 
 Sums run when their work is waited on, in launch order, on the calling thread: on CPU the
 cores are busy with backward anyway, so a helper thread (``threaded=True``) adds GIL hand-offs
@@ -323,23 +327,19 @@ class ShmComm:
         x[hi:].copy_(result[hi:])
 
     def _sum_in_place(self, copies: list[torch.Tensor]) -> None:
-        """Reduce-scatter and all-gather straight between the ranks' buffers."""
+        """Reduce-scatter, then push each summed part into every rank's buffer (module doc)."""
         world, rank = self.world_size, self.rank
         bounds = self._bounds(copies[rank])
         lo, hi = bounds[rank], bounds[rank + 1]
-        mine = copies[rank]
         self._barrier()  # every rank's buffer holds its input
-        acc = mine[lo:hi]
+        acc = copies[rank][lo:hi]
         for r in range(world):
             if r != rank:
                 acc.add_(copies[r][lo:hi])
-        self._barrier()  # every part is summed, in its owner's buffer
         for r in range(world):
             if r != rank:
-                mine[bounds[r] : bounds[r + 1]].copy_(copies[r][bounds[r] : bounds[r + 1]])
-        # No rank may write its buffer again (the next step's gradients) while a peer still
-        # copies from it.
-        self._barrier()
+                copies[r][lo:hi].copy_(acc)
+        self._barrier()  # every buffer holds every part's sum
 
     def _bounds(self, x: torch.Tensor) -> list[int]:
         """Part r of ``x`` is ``[bounds[r], bounds[r + 1])``, cut at cache-line multiples."""
