@@ -10,6 +10,7 @@ import pytest
 
 from towers.tools.cli import main
 from towers.tools.load import busy
+from towers.tools.startup import in_fresh_process, table
 
 
 @pytest.mark.timeout(120)
@@ -71,3 +72,14 @@ def test_busy_processes_spin_while_the_block_runs_and_are_gone_after():
         assert not os.path.exists(f"/proc/{pid}"), f"busy process {pid} outlived the block"
     with pytest.raises(ValueError, match="must be >= 0"), busy(-1):
         pass
+
+
+@pytest.mark.timeout(120)
+def test_startup_is_timed_from_a_fresh_interpreter():
+    startup = in_fresh_process(workers=2, calls=1)
+    assert startup["import_s"] > 0
+    assert set(startup["calls"]) == {"spawn", "train sync", "train async", "towers run"}
+    for name, values in startup["calls"].items():
+        assert len(values) == 1 and values[0] > 0, name
+    text = "\n".join(table(startup))
+    assert "call 1" in text and "towers run" in text

@@ -42,6 +42,7 @@ from ..core.split import split
 from ..processes.env import cpu_count
 from ..processes.spawn import spawn
 from .load import busy
+from .startup import in_fresh_process
 from .zoo import CNN, cross_entropy, mlp
 
 __all__ = ["BenchConfig", "run"]
@@ -78,6 +79,7 @@ class BenchConfig:
     sweep_seconds: float = 0.15  # per size and transport, at most (a few calls at least)
     timeout: float = 60.0
     load: int = 0  # CPU-spinning processes running beside every arm (tools/load.py)
+    startup: bool = False  # also time start-up: first and later calls (tools/startup.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -292,7 +294,11 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     Returns the results as a JSON-ready dict.
     """
     with busy(cfg.load):
-        return _run(cfg, log)
+        results = _run(cfg, log)
+        if cfg.startup:
+            log("start-up: timing first and later calls in a fresh interpreter")
+            results["startup"] = in_fresh_process(cfg.workers)
+        return results
 
 
 def _run(cfg: BenchConfig, log: Callable[[str], None]) -> dict[str, Any]:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .startup import table as startup_table
+
 __all__ = ["table", "write"]
 
 
@@ -63,6 +65,8 @@ def table(results: dict[str, Any]) -> str:
     lines += ["", *legend(results)]
     if results["sweep"]:
         lines += ["", *_sweep_table(results)]
+    if "startup" in results:
+        lines += ["", *startup_table(results["startup"])]
     return "\n".join(lines)
 
 
