@@ -127,9 +127,10 @@ def train(
         straggle: ``{tower: factor}`` makes those towers take ``factor`` times as long per shard
             (they sleep ``factor - 1`` times their compute time), in every mode: a straggler for
             experiments such as ``towers compare``.
-        transport: how sync workers average: ``"shm"`` (shared memory, local CPU workers),
-            ``"gloo"``, ``"nccl"``, or ``"auto"`` (the default: shared memory when every worker
-            is on this host with CPU tensors); also set by ``TOWERS_TRANSPORT``.
+        transport: how sync workers average, and how the asynchronous server and its workers
+            exchange messages: ``"shm"`` (shared memory, one host), ``"gloo"``, ``"nccl"``, or
+            ``"auto"`` (the default: shared memory when every worker is on this host, with CPU
+            tensors for sync); also set by ``TOWERS_TRANSPORT``.
 
     Returns:
         A :class:`TrainResult`.
