@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import importlib
 import os
-import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from ..core.modes import Mode
 from ..core.split import leaves, split
 from ..engines.job import Job
 from ..engines.replica import check_loss
+from ..processes.pack import check_picklable as pickles
 
 __all__ = [
     "check_arguments",
@@ -46,7 +46,7 @@ def positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
 
 def check_picklable(name: str, obj: Any, hint: str) -> None:
     try:
-        pickle.dumps(obj)
+        pickles(obj)  # as spawn sends it: tensors' data not copied, so big data costs nothing
     except Exception as exc:
         raise ValueError(
             f"{name} cannot be sent to worker processes: {hint} (pickle: {exc})"
