@@ -186,5 +186,5 @@ def preflight(job: Job, workers: int) -> None:
                 "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=100, gamma=0.5)",
             )
         first = next(global_batches(num_samples(job.data), job.batch_size, job.shuffle, job.seed))
-        shard = take(job.data, split(first, workers)[0])
+        shard = take(job.data, split(first, workers)[0], job.collate_fn)
         check_loss(job.loss_fn(probe, shard))

@@ -41,16 +41,14 @@ class _Ref:
 
 
 def _rebuild_tensor(
-    at: tuple[torch.UntypedStorage, int],
+    untyped: torch.UntypedStorage,
     dtype: torch.dtype,
     offset: int,
     size: torch.Size,
     stride: tuple[int, ...],
     requires_grad: bool,
 ) -> torch.Tensor:
-    whole, start = at  # the whole buffer and where the storage starts in it, in bytes
-    t = torch.empty(0, dtype=dtype)
-    t.set_(whole, start // t.element_size() + offset, size, stride)  # type: ignore[call-overload]
+    t = torch.empty(0, dtype=dtype).set_(untyped, offset, size, stride)  # type: ignore[call-overload]
     return t.requires_grad_(requires_grad) if requires_grad else t
 
 
@@ -103,14 +101,17 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(file)
         self.whole = packed.buffer.untyped_storage()
         self.spans = packed.spans
+        self.made: dict[int, torch.UntypedStorage] = {}
 
     def persistent_load(self, pid: Any) -> Any:
         what, i, dtype, typed = pid
-        start, size = self.spans[i]
-        if what == "tensor":
-            return self.whole, start
-        untyped = self.whole[start : start + size]
-        if not typed:
+        if i not in self.made:
+            start, size = self.spans[i]
+            # a storage of its own size (sharing the buffer's memory): copying or saving a
+            # tensor copies its storage, which must not be the whole buffer
+            self.made[i] = self.whole[start : start + size]
+        untyped = self.made[i]
+        if what == "tensor" or not typed:
             return untyped
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 

@@ -153,7 +153,9 @@ def spawn(
         for rank in range(workers):
             recv, send = ctx.Pipe(duplex=False)
             env = {**os.environ, **worker_env(rank, workers, addr, port)}
-            p = ctx.Process(target=_worker_main, args=(env, send, packed), daemon=True)
+            # Not daemonic: a worker may start processes of its own (DataLoader's num_workers),
+            # which multiprocessing refuses to a daemon; the finally below stops every worker.
+            p = ctx.Process(target=_worker_main, args=(env, send, packed), daemon=False)
             p.start()
             send.close()
             procs.append(p)
