@@ -26,7 +26,7 @@ import towers
 from helpers import make_net, mse, regression_data
 if __name__ == "__main__":
     towers.train(make_net(), mse, regression_data(20), batch_size=5, steps=6, workers=2,
-                 progress={progress}, mode={mode!r})
+                 progress={progress}, mode={mode!r}, eval_data=regression_data(7), eval_every=3)
 """
 
 
@@ -58,7 +58,7 @@ def test_progress_bar_on_a_terminal_only(tmp_path, mode):
     tests = str(Path(__file__).parent)
     shown = run_on_terminal(PROGRESS.format(tests=tests, progress=True, mode=mode), tmp_path)
     assert f"towers {mode}" in shown and "6/6" in shown
-    assert "loss=" in shown and "samples_s=" in shown
+    assert "loss=" in shown and "samples_s=" in shown and "eval_loss=" in shown
     hidden = run_on_terminal(PROGRESS.format(tests=tests, progress=False, mode=mode), tmp_path)
     assert "loss=" not in hidden
 
@@ -77,11 +77,16 @@ def test_tensorboard_scalars_match_the_result(tmp_path):
         workers=2,
         log_dir=tmp_path,
         progress=False,
+        eval_data=regression_data(7, seed=3),
+        eval_every=2,
     )
     events = event_accumulator.EventAccumulator(str(tmp_path))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"loss/mean", "loss/tower_0", "loss/tower_1", "samples_per_second"} <= tags
+    evaluated = [(e.step, e.value) for e in events.Scalars("eval/loss")]
+    assert evaluated == [(d, pytest.approx(m["loss"], rel=1e-6)) for d, m in result.evals]
+    assert [d for d, _ in result.evals] == [2, 4]
     logged = [e.value for e in events.Scalars("loss/mean")]
     assert logged == pytest.approx(result.losses, rel=1e-6)
     per_tower = [e.value for e in events.Scalars("loss/tower_1")]

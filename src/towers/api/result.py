@@ -35,6 +35,8 @@ class TrainResult:
             beyond the slowest live worker (``ssp:S`` keeps it <= S).
         dropped: ``backup:B``: ``(step, tower)`` for each late shard left out of its step.
         dead_workers: towers that died during training (their shards went to the others).
+        evals: with ``eval_data=``: ``(global batches completed, {metric: value})`` for every
+            evaluation, in order; the last is at ``steps``, of the trained parameters.
     """
 
     model: nn.Module
@@ -52,6 +54,7 @@ class TrainResult:
     ahead: list[int] = field(default_factory=list)
     dropped: list[tuple[int, int]] = field(default_factory=list)
     dead_workers: list[int] = field(default_factory=list)
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
     @property
     def updates(self) -> int:

@@ -29,11 +29,20 @@ from ..core.messages import first_line
 from ..core.modes import Mode, parse_mode
 from ..engines import checkpoint as checkpoint_files
 from ..engines.checkpoint import estimate_bytes
-from ..engines.job import EngineResult, Job, LossFn, OptimizerFactory, ScheduleFactory
+from ..engines.job import (
+    CollateFn,
+    EngineResult,
+    EvalFn,
+    Job,
+    LossFn,
+    OptimizerFactory,
+    ScheduleFactory,
+)
 from ..engines.job import default_optimizer as _default_optimizer
 from ..engines.run import load_resume, run_job
 from ..processes.lifeline import Terminated, sigterm_interrupts, stopped_line
 from ..processes.spawn import spawn
+from .options import check_options, preflight_eval, refuse_loader
 from .result import TrainResult
 from .validate import check_arguments, check_straggle, check_workers, preflight
 
@@ -63,6 +72,12 @@ def train(
     max_restarts: int = 0,
     straggle: dict[int, float] | None = None,
     transport: str | None = None,
+    eval_data: Any = None,
+    eval_fn: EvalFn | None = None,
+    eval_every: int | None = None,
+    lr_interval: str = "step",
+    collate_fn: CollateFn | None = None,
+    num_workers: int = 0,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -100,9 +115,9 @@ def train(
             arrive and drops the rest). A dead worker does not stop the asynchronous modes.
             In a job started by ``towers run --mode M``, the default ``"sync"`` becomes ``M``.
         optimizer: ``params -> Optimizer``; default SGD with lr 0.01.
-        lr_schedule: ``optimizer -> LRScheduler``, stepped once per global batch (in the
-            asynchronous modes: before the first update from global batch k, it is stepped up
-            to k).
+        lr_schedule: ``optimizer -> LRScheduler``, stepped once per global batch, or once per
+            epoch with ``lr_interval="epoch"`` (in the asynchronous modes: before the first
+            update from global batch k, it is stepped up to k, or to the epochs before k's).
         seed: seeds the batch order (and each worker's RNG as ``seed + rank``).
         shuffle: draw a new permutation of ``data`` every epoch.
         checkpoint: a directory for checkpoints (parameters, optimizer and schedule state, data
@@ -131,6 +146,21 @@ def train(
             exchange messages: ``"shm"`` (shared memory, one host), ``"gloo"``, ``"nccl"``, or
             ``"auto"`` (the default: shared memory when every worker is on this host, with CPU
             tensors for sync); also set by ``TOWERS_TRANSPORT``.
+        eval_data: samples to evaluate on (tensors or a map-style Dataset), all of them, every
+            ``eval_every`` global batches and at the end; split over the towers (the server
+            alone in the asynchronous modes), in eval mode under ``no_grad``. The results, in
+            ``TrainResult.evals``, equal a single-process evaluation.
+        eval_fn: ``eval_fn(model, batch) -> {name: mean over the batch}``; default
+            ``{"loss": loss_fn(model, batch)}``. Combined weighted by the samples behind each.
+        eval_every: global batches between evaluations; ``None``: at the end only.
+        lr_interval: ``"step"`` (``lr_schedule`` steps after every global batch) or
+            ``"epoch"`` (after every pass over ``data``, as in a loop calling
+            ``scheduler.step()`` once per epoch).
+        collate_fn: turns a list of a Dataset's samples into a batch, as DataLoader's (each
+            tower collates its own samples: pad to the longest in the tower's shard); default
+            DataLoader's ``default_collate``.
+        num_workers: data-loading processes per tower (a DataLoader over the tower's samples,
+            fetching ahead; see docs/training.md); 0 loads in the tower's process.
 
     Returns:
         A :class:`TrainResult`.
@@ -145,6 +175,7 @@ def train(
         >>> result.losses[-1] < result.losses[0]  # doctest: +SKIP
         True
     """
+    refuse_loader("data", data)
     n = check_arguments(
         model,
         loss_fn,
@@ -163,6 +194,15 @@ def train(
         log_dir=log_dir,
     )
     timeout = check_timeout(timeout)
+    check_options(
+        data,
+        eval_data=eval_data,
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+        lr_interval=lr_interval,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+    )
     if (steps is None) == (epochs is None):
         raise ValueError(
             "give either steps= (global batches) or epochs= (passes over the data), not "
@@ -192,10 +232,17 @@ def train(
         every_rank=launched,
         straggle=check_straggle(straggle, workers),
         transport=transport,
+        eval_data=eval_data,
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+        lr_interval=lr_interval,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
     )
     preflight(job, workers)
     if job.checkpoint is not None and (not launched or os.environ.get("RANK") == "0"):
         checkpoint_files.prepare_directory(job.checkpoint, estimate_bytes(model, n))
+    preflight_eval(job, workers)
     try:
         with sigterm_interrupts():
             out, restarts = _launch_with_restarts(job, workers, launched, max_restarts)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import importlib
 import os
-import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from ..core.modes import Mode
 from ..core.split import leaves, split
 from ..engines.job import Job
 from ..engines.replica import check_loss
+from ..processes.pack import check_picklable as pickles
 
 __all__ = [
     "check_arguments",
@@ -46,7 +46,7 @@ def positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
 
 def check_picklable(name: str, obj: Any, hint: str) -> None:
     try:
-        pickle.dumps(obj)
+        pickles(obj)  # as spawn sends it: tensors' data not copied, so big data costs nothing
     except Exception as exc:
         raise ValueError(
             f"{name} cannot be sent to worker processes: {hint} (pickle: {exc})"
@@ -186,5 +186,5 @@ def preflight(job: Job, workers: int) -> None:
                 "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=100, gamma=0.5)",
             )
         first = next(global_batches(num_samples(job.data), job.batch_size, job.shuffle, job.seed))
-        shard = take(job.data, split(first, workers)[0])
+        shard = take(job.data, split(first, workers)[0], job.collate_fn)
         check_loss(job.loss_fn(probe, shard))

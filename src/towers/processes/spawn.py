@@ -24,6 +24,7 @@ from ..comm.net import DEFAULT_ADDR, free_port
 from ..core.args import check_timeout
 from .env import describe_exit, set_worker_threads, worker_env
 from .lifeline import watch_caller
+from .pack import Packed, pack, unpack
 
 __all__ = ["WorkerError", "spawn"]
 
@@ -43,10 +44,7 @@ class WorkerError(RuntimeError):
 
 
 def _worker_main(
-    fn: Callable[..., Any],
-    env: dict[str, str],
-    conn: multiprocessing.connection.Connection,
-    args: tuple[Any, ...],
+    env: dict[str, str], conn: multiprocessing.connection.Connection, packed: Packed
 ) -> None:
     # The forkserver's environment is the caller's as it was when the server started: give the
     # worker the caller's environment as it is now, plus the launcher's variables.
@@ -55,6 +53,7 @@ def _worker_main(
     os.environ.update(env)
     set_worker_threads(int(env["LOCAL_WORLD_SIZE"]))
     try:
+        fn, args = unpack(packed)
         payload: tuple[Any, ...] = ("ok", fn(*args))
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too
         payload = ("error", exc, traceback.format_exc())
@@ -152,12 +151,15 @@ def spawn(
     timeout = check_timeout(timeout)
     port = free_port(addr) if port is None else port
     ctx = _context()
+    packed = pack((fn, args))  # one shared buffer for every tensor, see processes/pack.py
     procs, conns = [], []
     try:
         for rank in range(workers):
             recv, send = ctx.Pipe(duplex=False)
             env = {**os.environ, **worker_env(rank, workers, addr, port)}
-            p = ctx.Process(target=_worker_main, args=(fn, env, send, args), daemon=True)
+            # Not daemonic: a worker may start processes of its own (DataLoader's num_workers),
+            # which multiprocessing refuses to a daemon; the finally below stops every worker.
+            p = ctx.Process(target=_worker_main, args=(env, send, packed), daemon=False)
             p.start()
             send.close()
             procs.append(p)

@@ -6,9 +6,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["save_loss_plot"]
+__all__ = ["eval_curve", "save_loss_plot"]
 
 Curve = tuple[Sequence[float], Sequence[float], dict[str, Any]]  # x, y, ax.plot keywords
+
+
+def eval_curve(
+    evals: Sequence[tuple[int, dict[str, float]]], metric: str = "loss", **style: Any
+) -> Curve:
+    """``TrainResult.evals``'s ``metric`` against global batches completed, as one curve
+    (drawn with markers: evaluations are few)."""
+    xs = [done for done, values in evals if metric in values]
+    ys = [values[metric] for _, values in evals if metric in values]
+    return xs, ys, {"marker": "o", "label": f"eval {metric}", **style}
 
 
 def save_loss_plot(

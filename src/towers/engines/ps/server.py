@@ -29,6 +29,8 @@ from ...core.data import batch_len, num_samples
 from ...core.split import shard_sizes
 from ...core.step import all_finite
 from .. import checkpoint
+from ..evaluate import combine, due, evaluate
+from ..fetch import Fetcher
 from ..job import EngineResult, Job
 from ..replica import Replica, cpu_state
 from ..report import Reporter
@@ -52,7 +54,7 @@ class Server:
         device: torch.device,
         state: dict[str, Any] | None = None,
     ):
-        self.job, self.link, self.layout = job, link, layout
+        self.job, self.link, self.layout, self.device = job, link, layout, device
         self.policy = make_policy(job.mode, towers)
         self.replica = Replica.build(job, device, optimizer=self.policy.server_optimizer)
         self.model = self.replica.model
@@ -60,11 +62,16 @@ class Server:
         self.state = ServerState.fresh(towers, job.steps)
         if state is not None:
             resume.restore(self.state, self.replica, state)
+            # a shorter run's evaluation at its end is not one of this run's
+            evals = self.state.record.evals
+            evals[:] = [(d, m) for d, m in evals if due(job, d)]
         # progress bar and TensorBoard: the server holds the record, so it reports
         self.reporter = Reporter(job, main=True, initial=self.state.done)
         self.first_samples = self.state.record.samples  # samples/s counts this run's only
         self.start = 0.0
         self.seconds = math.nan
+        self.evaluated_final = False
+        self.fetch = Fetcher(job)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -74,6 +81,7 @@ class Server:
             self._loop()
         finally:
             self.reporter.close()
+            self.fetch.close()
         self.link.close()
         return self._result()
 
@@ -92,6 +100,7 @@ class Server:
                 else:
                     self.policy.on_result(self, tower, h, msg)
             self._serve()
+            self._maybe_evaluate()
             self._maybe_save()
 
     def elapsed(self) -> float:
@@ -109,6 +118,30 @@ class Server:
             return
         for t in sorted(s.idle):
             self.policy.serve(self, t)
+
+    def _maybe_evaluate(self) -> None:
+        """Evaluate the server's parameters every ``eval_every`` global batches and at the end.
+
+        The server evaluates alone, between messages: the towers wait meanwhile. ``local:K``:
+        its parameters are those of the last average; the evaluation at the end is of the
+        final average's.
+        """
+        job, s = self.job, self.state
+        if job.eval_data is None or self.evaluated_final:
+            return
+        evals = s.record.evals
+        last = evals[-1][0] if evals else 0
+        if self.policy.finished(self):
+            self.evaluated_final = True
+            if last == s.steps:
+                if job.mode.name != "local":
+                    return
+                evals.pop()  # evaluated before the final average: evaluate its result instead
+        elif not (job.eval_every and s.done // job.eval_every > last // job.eval_every):
+            return
+        metrics = combine([evaluate(job, self.model, self.device, 0, 1, self.fetch)])
+        evals.append((s.done, metrics))
+        self.reporter.evaluated(s.done, metrics)
 
     def _maybe_save(self) -> None:
         """Checkpoint once ``checkpoint_every`` more global batches are complete, and at the end."""
@@ -222,7 +255,7 @@ class Server:
                 return False
             grads.append(g)
         opt = cast(torch.optim.Optimizer, self.replica.optimizer)
-        self.replica.schedule_to(step)
+        self.replica.schedule_to(self.job.scheduled(step))
         for p, g in zip(params, grads):
             # The worker backpropagated loss * samples, as the sync engine does; dividing here
             # gives a one-tower step the same rounding as a synchronous one.
@@ -272,4 +305,5 @@ class Server:
             ahead=rec.ahead,
             dropped=sorted(rec.dropped),
             dead_workers=sorted(set(rec.dead)),  # a restarted run may lose one again
+            evals=list(rec.evals),
         )

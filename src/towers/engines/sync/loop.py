@@ -16,10 +16,12 @@ from typing import Any
 import torch
 
 from ...comm.group import Connection
-from ...core.data import BatchOrder, num_samples
+from ...core.data import BatchOrder, is_dataset, num_samples
 from ...core.split import split
 from ...core.step import StepResult
 from .. import checkpoint
+from ..evaluate import combine, due, evaluate
+from ..fetch import Fetcher, Planned
 from ..job import EngineResult, Job
 from ..replica import Replica, backward_shard, cpu_state
 from ..report import Reporter
@@ -38,6 +40,7 @@ class SyncRecord:
     times: list[float] = field(default_factory=list)
     samples: int = 0
     seconds: float = 0.0  # training time of the runs before this one
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
     def add(self, step: int, r: StepResult, at: float) -> None:
         self.samples += r.samples
@@ -51,6 +54,7 @@ class SyncRecord:
     def from_state(cls, state: dict[str, Any]) -> SyncRecord:
         record = cls(**state)
         record.skipped = [(s, list(c)) for s, c in record.skipped]
+        record.evals = [(s, dict(m)) for s, m in record.evals]
         return record
 
 
@@ -68,6 +72,11 @@ class _Run:
         self.first = 0
         if resume is not None:
             self._restore(resume)
+        self.fetcher = Fetcher(job)  # evaluation's
+        self.fetch = None  # fetch in this process; or a DataLoader's processes, planned ahead
+        if job.num_workers and is_dataset(job.data):
+            position = None if resume is None else resume["data"]
+            self.fetch = Planned(job, self.comm.rank, self.comm.world_size, self.first, position)
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.replica.load(state)
@@ -78,6 +87,8 @@ class _Run:
         else:  # resumed with another number of workers: fresh, but reproducible, streams
             torch.manual_seed(self.job.seed + self.comm.rank + 1000 * state["step"])
         self.record = SyncRecord.from_state(state["record"])
+        # a shorter run's evaluation at its end is not one of this run's
+        self.record.evals = [(d, m) for d, m in self.record.evals if due(self.job, d)]
         self.first = state["step"]
 
     def _save(self, done: int) -> None:
@@ -99,6 +110,18 @@ class _Run:
             done % job.checkpoint_every == 0 or done == job.steps
         )
 
+    def _planned(self, micro: list[torch.Tensor]) -> list[Any]:
+        assert self.fetch is not None
+        return [self.fetch(m) for m in micro]
+
+    def _evaluate(self, done: int, reporter: Reporter) -> None:
+        comm = self.comm
+        model, world = self.replica.model, comm.world_size
+        mine = evaluate(self.job, model, self.device, comm.rank, world, self.fetcher)
+        metrics = combine(comm.all_gather_object(mine))
+        self.record.evals.append((done, metrics))
+        reporter.evaluated(done, metrics)
+
     def train(self) -> None:
         job, comm, record, replica = self.job, self.comm, self.record, self.replica
         slow = job.straggle.get(comm.rank, 1.0)
@@ -110,22 +133,33 @@ class _Run:
             for k in range(self.first, job.steps):
                 mine = split(next(self.order), comm.world_size)[comm.rank]
                 loss_sum, n = backward_shard(
-                    job, replica.model, mine, self.device, before_last=self.step.arm, slow=slow
+                    job,
+                    replica.model,
+                    mine,
+                    self.device,
+                    before_last=self.step.arm,
+                    slow=slow,
+                    fetch=None if self.fetch is None else self._planned,
                 )
                 self.step.add(loss_sum, n)
                 r = self.step.reduce()
                 self.step.apply(r, replica.optimizer)  # type: ignore[arg-type]
-                replica.schedule_to(k + 1)
+                replica.schedule_to(job.scheduled(k + 1))
                 elapsed = time.perf_counter() - start
                 record.add(k, r, record.seconds + elapsed)
                 rate = (record.samples - first_samples) / elapsed
                 reporter.step(k, r.loss, r.tower_losses, rate)
+                if due(job, k + 1):
+                    self._evaluate(k + 1, reporter)
                 if self._due(k + 1):
                     record.seconds += time.perf_counter() - start
                     start, first_samples = time.perf_counter(), record.samples
                     self._save(k + 1)
         finally:
             reporter.close()
+            if self.fetch is not None:
+                self.fetch.close()
+            self.fetcher.close()
         record.seconds += time.perf_counter() - start
 
     def result(self) -> EngineResult:
@@ -139,6 +173,7 @@ class _Run:
             samples=r.samples,
             seconds=r.seconds,
             times=r.times,
+            evals=list(r.evals),
         )
 
 
