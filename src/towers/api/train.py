@@ -28,7 +28,9 @@ from ..core.modes import Mode, parse_mode
 from ..engines.job import EngineResult, Job, LossFn, OptimizerFactory, ScheduleFactory
 from ..engines.job import default_optimizer as _default_optimizer
 from ..engines.run import load_resume, run_job
+from ..processes.guard import check_main_guard
 from ..processes.spawn import spawn
+from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
 from .result import TrainResult
 from .validate import check_arguments, check_straggle, check_workers, preflight
 
@@ -58,6 +60,7 @@ def train(
     max_restarts: int = 0,
     straggle: dict[int, float] | None = None,
     transport: str | None = None,
+    sync_batchnorm: bool = False,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -125,6 +128,12 @@ def train(
         transport: how sync workers average: ``"shm"`` (shared memory, local CPU workers),
             ``"gloo"``, ``"nccl"``, or ``"auto"`` (the default: shared memory when every worker
             is on this host with CPU tensors); also set by ``TOWERS_TRANSPORT``.
+        sync_batchnorm: BatchNorm layers normalise over the whole global batch (statistics
+            summed over the towers, weighted by samples), so that training and running
+            statistics equal one process's (sync mode; every global batch needs at least one
+            sample per tower). Without it each tower normalises over its own shard, a warning
+            says so, and ``TrainResult.model`` keeps rank 0's running statistics
+            (docs/batchnorm.md).
 
     Returns:
         A :class:`TrainResult`.
@@ -134,6 +143,8 @@ def train(
         >>> result.losses[-1] < result.losses[0]  # doctest: +SKIP
         True
     """
+    refuse_wrapped_model(model, "train()")
+    refuse_sample_list(data)
     n = check_arguments(
         model,
         loss_fn,
@@ -160,6 +171,7 @@ def train(
     launched = launched_env()
     parsed = _mode(mode, launched)
     workers = _workers(parsed, workers, launched)
+    check_sync_batchnorm(sync_batchnorm, model, parsed, workers, n, batch_size, accumulate)
     job = Job(
         model=model,
         loss_fn=loss_fn,
@@ -180,6 +192,7 @@ def train(
         every_rank=launched,
         straggle=check_straggle(straggle, workers),
         transport=transport,
+        sync_batchnorm=bool(sync_batchnorm),
     )
     preflight(job, workers)
     out, restarts = _launch_with_restarts(job, workers, launched, max_restarts)
@@ -251,6 +264,7 @@ def _launch(job: Job, workers: int, launched: bool, isolate: bool) -> EngineResu
         with torch.random.fork_rng(devices=[]):
             out = run_job(job, resume)
     else:
+        check_main_guard("towers.train()")
         # Computing towers may die without stopping the server (rank 0), whose result counts.
         tolerate = range(1, workers + 1) if server else ()
         out = spawn(run_job, workers + server, job, resume, tolerate=tolerate)[0]

@@ -58,6 +58,7 @@ class Job:
     every_rank: bool = False  # every rank returns the result (launched jobs), not only rank 0
     straggle: dict[int, float] = field(default_factory=dict)  # tower -> slowdown factor
     transport: str | None = None
+    sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (engines/syncbn.py)
 
     @property
     def asynchronous(self) -> bool:

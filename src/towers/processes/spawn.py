@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 from ..comm.net import DEFAULT_ADDR, free_port
 from .env import describe_exit, set_worker_threads, worker_env
+from .guard import check_main_guard
 
 __all__ = ["WorkerError", "spawn"]
 
@@ -146,6 +147,7 @@ def spawn(
         raise TypeError(f"workers must be an int, got {type(workers).__name__}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    check_main_guard("towers.spawn()")
     port = free_port(addr) if port is None else port
     ctx = _context()
     procs, conns = [], []
