@@ -45,6 +45,22 @@ def _clipped_loop(ctx):
     return [p.detach().clone() for p in model.parameters()], norms, losses
 
 
+def _scaled_loop(ctx):
+    """A GradScaler as AMP scripts use it: scale, unscale, clip, scaler.step, update."""
+    torch.manual_seed(0)
+    model = ctx.replicate(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for shard in ctx.shards(batches()):
+        ctx.backward(scaler.scale(mse(model, shard)))
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def _batchnorm_loop(ctx):
     model = ctx.replicate(bn_net(), sync_batchnorm=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -89,6 +105,7 @@ def own_loop_cases():
     ctx = towers.init(timeout=60)
     try:
         clipped = _clipped_loop(ctx)
+        scaled = _scaled_loop(ctx)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ctx.replicate(bn_net())  # without sync_batchnorm: a warning
@@ -99,7 +116,7 @@ def own_loop_cases():
             {"loss": torch.tensor(float(ctx.rank + 1)), "acc": 0.5 * ctx.rank}, rank_samples
         )
         mistakes = _mistakes(ctx)
-        return clipped, bn_warning, bn, means, mistakes
+        return clipped, scaled, bn_warning, bn, means, mistakes
     finally:
         ctx.close()
 
@@ -119,6 +136,18 @@ def _plain_clipped():
     return list(model.parameters()), norms, losses
 
 
+def _plain_scaled():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in batches():
+        mse(model, batch).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return list(model.parameters())
+
+
 def _plain_batchnorm():
     model = bn_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -134,7 +163,8 @@ def test_own_loop_open_step_matches_plain_loops():
     out = towers.spawn(own_loop_cases, 3)
     params, norms, losses = _plain_clipped()
     bn = _plain_batchnorm()
-    for clipped, bn_warning, bn_state, means, (errors, skip) in out:
+    scaled_reference = _plain_scaled()
+    for clipped, scaled, bn_warning, bn_state, means, (errors, skip) in out:
         # ctx.backward + clip_grad_norm_ + Adam == the same on the full batch, on every rank
         got_params, got_norms, got_losses = clipped
         assert max(got_norms) > CLIP  # the clipping did bite
@@ -142,6 +172,9 @@ def test_own_loop_open_step_matches_plain_loops():
             torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
         assert got_norms == pytest.approx(norms, rel=1e-5)
         assert got_losses == pytest.approx(losses, rel=1e-5)
+        # GradScaler: scale and unscale cancel; the result is the plain clipped loop's
+        for p, q in zip(scaled, scaled_reference, strict=True):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
         # BatchNorm: a warning without sync_batchnorm; with it, one process's result
         assert len(bn_warning) == 1 and "sync_batchnorm=True" in bn_warning[0]
         for name, value in bn.items():
