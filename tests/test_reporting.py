@@ -140,6 +140,6 @@ def test_demo_prints_a_table_and_writes_the_plot(tmp_path):
     speed = [line for line in out.stdout.splitlines() if line.startswith(("1 process", "towers,"))]
     assert speed[0].startswith("1 process, 1 thread")
     assert len(speed) == 3 and speed[2].split()[2] == "workers"
-    assert "Here towers is " in out.stdout
+    assert "Here towers is " in out.stdout or "Here towers was not faster" in out.stdout
     assert f"loss curves: {png}" in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

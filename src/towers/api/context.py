@@ -100,7 +100,9 @@ class Context:
     def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         """This tower's shard of each global batch (see :func:`towers.split`), on :attr:`device`.
 
-        The shard's sample count is remembered and used by the next :meth:`step` as its weight.
+        The shard's sample count is remembered and used by the next :meth:`backward` or
+        :meth:`step` as its weight; that step also checks that every rank's global batch had the
+        same size and fingerprint (so every rank must pass the same global batches).
         """
         for batch in batches:
             shard = split(batch, self.world_size)[self.rank]
