@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import Net, mse, regression_data
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import towers
 from towers.core.agree import BatchStamp, fingerprint, mean_vector, weighted_means
@@ -215,7 +216,12 @@ def test_weighted_means_pure():
         mean_vector({"a": torch.ones(3)}, 2)
 
 
-def test_replicate_and_train_refuse_a_ddp_wrapped_model():
+def test_replicate_refuses_a_ddp_model_and_shards_a_distributed_sampler():
     wrapped = nn.DataParallel(Net())
-    with towers.init() as ctx, pytest.raises(TypeError, match="pass the plain model"):
-        ctx.replicate(copy.deepcopy(wrapped))
+    dataset = TensorDataset(*regression_data(20))
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=0)
+    with towers.init() as ctx:
+        with pytest.raises(TypeError, match="pass the plain model"):
+            ctx.replicate(copy.deepcopy(wrapped))
+        with pytest.raises(ValueError, match="with the same SEED on every rank"):
+            next(ctx.shards(DataLoader(dataset, batch_size=4, sampler=sampler)))

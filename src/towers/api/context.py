@@ -29,7 +29,12 @@ from ..engines.replica import backward_weighted, check_loss, cpu_state
 from ..engines.sync.gradsync import DEFAULT_BUCKET_BYTES
 from ..engines.sync.step import SyncStep
 from ..engines.syncbn import convert_batchnorm
-from .mistakes import BACKWARD_TWICE, refuse_wrapped_model, warn_unsynced_buffers
+from .mistakes import (
+    BACKWARD_TWICE,
+    refuse_distributed_sampler,
+    refuse_wrapped_model,
+    warn_unsynced_buffers,
+)
 
 __all__ = ["Context", "init"]
 
@@ -104,6 +109,7 @@ class Context:
         :meth:`step` as its weight; that step also checks that every rank's global batch had the
         same size and fingerprint (so every rank must pass the same global batches).
         """
+        refuse_distributed_sampler(batches)
         for batch in batches:
             shard = split(batch, self.world_size)[self.rank]
             self._shard_samples = batch_size(shard)

@@ -10,6 +10,7 @@ import warnings
 from typing import Any
 
 from torch import nn
+from torch.utils.data import DistributedSampler
 
 from ..core.messages import shorten
 
@@ -17,6 +18,7 @@ __all__ = [
     "BACKWARD_TWICE",
     "check_sync_batchnorm",
     "has_batchnorm",
+    "refuse_distributed_sampler",
     "refuse_sample_list",
     "refuse_wrapped_model",
     "warn_unsynced_buffers",
@@ -40,6 +42,20 @@ def refuse_wrapped_model(model: Any, where: str) -> None:
             "(model.module, or drop the wrapping line from the script). towers averages the "
             "gradients itself, weighted by each tower's samples, and the wrapper would average "
             "them a second time, divided by the world size"
+        )
+
+
+def refuse_distributed_sampler(loader: Any) -> None:
+    """``ValueError`` for a DataLoader that gives each rank its own part of the data."""
+    samplers = [getattr(loader, "sampler", None)]
+    samplers.append(getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+    if any(isinstance(s, DistributedSampler) for s in samplers):
+        raise ValueError(
+            "ctx.shards() got a DataLoader with a DistributedSampler, which hands every rank a "
+            "different part of the data; ctx.shards() then would split each rank's part again. "
+            "Give every rank the same global batches instead: DataLoader(dataset, "
+            "batch_size=GLOBAL_BATCH, shuffle=True, generator=torch.Generator().manual_seed(SEED)) "
+            "with the same SEED on every rank, and ctx.shards() cuts out each rank's part"
         )
 
 
