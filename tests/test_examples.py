@@ -171,3 +171,12 @@ def test_digits_cnn_trains_on_cifar_batches(tmp_path: Path) -> None:
     out = run_example("digits_cnn.py", *flags, "--min-accuracy", "0", cwd=tmp_path)
     assert "CIFAR-10: 64 training and 16 test images" in out
     assert "OK: test accuracy" in out
+
+
+@pytest.mark.timeout(60)
+def test_ddp_tutorial_port_under_towers_run_equals_one_process(tmp_path: Path) -> None:
+    args = ["-m", "towers", "run", str(EXAMPLES / "ddp_tutorial.py"), "-n", "2", "--"]
+    result = run([sys.executable, *args, "--epochs", "2"], tmp_path, timeout=50)
+    assert result.returncode == 0, result.stdout
+    assert "OK: 2 rank(s) trained exactly as one process (clipped " in result.stdout
+    assert "(clipped 0 steps)" not in result.stdout  # the clipping did bite

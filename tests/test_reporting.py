@@ -132,7 +132,8 @@ def test_tensorboard_scalars_of_the_asynchronous_modes(tmp_path, mode):
 @pytest.mark.timeout(120)
 def test_demo_prints_a_table_and_writes_the_plot(tmp_path):
     png = tmp_path / "curves.png"
-    cmd = [sys.executable, "-m", "towers", "demo", "--steps", "200", "--out", str(png)]
+    cmd = [sys.executable, "-m", "towers", "demo", "--steps", "200", "--async-steps", "50"]
+    cmd += ["--speed-steps", "1", "--out", str(png)]
     env = {**os.environ, "PYTHONPATH": SRC}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -140,5 +141,10 @@ def test_demo_prints_a_table_and_writes_the_plot(tmp_path):
     assert [r[1] for r in rows] == ["1", "4"]
     assert all(r[3] == "200" for r in rows)
     assert abs(float(rows[0][2]) - float(rows[1][2])) <= 1e-5 * float(rows[0][2])
+    assert "The parabola is tiny" in out.stdout  # why its towers are slower than one process
+    speed = [line for line in out.stdout.splitlines() if line.startswith(("1 process", "towers,"))]
+    assert speed[0].startswith("1 process, 1 thread")
+    assert len(speed) == 3 and speed[2].split()[2] == "workers"
+    assert "Here towers is " in out.stdout or "Here towers was not faster" in out.stdout
     assert f"loss curves: {png}" in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -40,8 +40,10 @@ from ..engines.job import (
 )
 from ..engines.job import default_optimizer as _default_optimizer
 from ..engines.run import load_resume, run_job
+from ..processes.guard import check_main_guard
 from ..processes.lifeline import Terminated, sigterm_interrupts, stopped_line
 from ..processes.spawn import spawn
+from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
 from .options import check_options, preflight_eval, refuse_loader
 from .result import TrainResult
 from .validate import check_arguments, check_straggle, check_workers, preflight
@@ -78,6 +80,7 @@ def train(
     lr_interval: str = "step",
     collate_fn: CollateFn | None = None,
     num_workers: int = 0,
+    sync_batchnorm: bool = False,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -161,6 +164,15 @@ def train(
             DataLoader's ``default_collate``.
         num_workers: data-loading processes per tower (a DataLoader over the tower's samples,
             fetching ahead; see docs/training.md); 0 loads in the tower's process.
+        transport: how sync workers average: ``"shm"`` (shared memory, local CPU workers),
+            ``"gloo"``, ``"nccl"``, or ``"auto"`` (the default: shared memory when every worker
+            is on this host with CPU tensors); also set by ``TOWERS_TRANSPORT``.
+        sync_batchnorm: BatchNorm layers normalise over the whole global batch (statistics
+            summed over the towers, weighted by samples), so that training and running
+            statistics equal one process's (sync mode; every global batch needs at least one
+            sample per tower). Without it each tower normalises over its own shard, a warning
+            says so, and ``TrainResult.model`` keeps rank 0's running statistics
+            (docs/batchnorm.md).
 
     Returns:
         A :class:`TrainResult`.
@@ -176,6 +188,8 @@ def train(
         True
     """
     refuse_loader("data", data)
+    refuse_wrapped_model(model, "train()")
+    refuse_sample_list(data)
     n = check_arguments(
         model,
         loss_fn,
@@ -212,6 +226,7 @@ def train(
     launched = launched_env()
     parsed = _mode(mode, launched)
     workers = _workers(parsed, workers, launched)
+    check_sync_batchnorm(sync_batchnorm, model, parsed, workers, n, batch_size, accumulate)
     job = Job(
         model=model,
         loss_fn=loss_fn,
@@ -238,6 +253,7 @@ def train(
         lr_interval=lr_interval,
         collate_fn=collate_fn,
         num_workers=num_workers,
+        sync_batchnorm=bool(sync_batchnorm),
     )
     preflight(job, workers)
     if job.checkpoint is not None and (not launched or os.environ.get("RANK") == "0"):
@@ -318,6 +334,7 @@ def _launch(job: Job, workers: int, launched: bool, isolate: bool) -> EngineResu
         with torch.random.fork_rng(devices=[]):
             out = run_job(job, resume)
     else:
+        check_main_guard("towers.train()")
         # Computing towers may die without stopping the server (rank 0), whose result counts.
         tolerate = range(1, workers + 1) if server else ()
         out = spawn(run_job, workers + server, job, resume, tolerate=tolerate)[0]

@@ -80,6 +80,7 @@ class Job:
     lr_interval: str = "step"  # the schedule steps once per global batch, or per epoch
     collate_fn: CollateFn | None = None  # a Dataset's samples into a batch; None: DataLoader's
     num_workers: int = 0  # data-loading processes per tower
+    sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (engines/syncbn.py)
 
     @property
     def asynchronous(self) -> bool:

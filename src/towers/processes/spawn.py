@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from ..comm.net import DEFAULT_ADDR, free_port
 from ..core.args import check_timeout
 from .env import describe_exit, set_worker_threads, worker_env
+from .guard import check_main_guard
 from .lifeline import watch_caller
 from .pack import Packed, pack, unpack
 
@@ -149,6 +150,7 @@ def spawn(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     timeout = check_timeout(timeout)
+    check_main_guard("towers.spawn()")
     port = free_port(addr) if port is None else port
     ctx = _context()
     packed = pack((fn, args))  # one shared buffer for every tensor, see processes/pack.py

@@ -152,14 +152,20 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train the parabola with 1 and N local workers")
     demo.add_argument("-n", "--workers", type=int, default=4, help="workers (default 4)")
-    demo.add_argument("--steps", type=int, default=2000, help="global batches (default 2000)")
+    demo.add_argument("--steps", type=int, default=1000, help="global batches (default 1000)")
     demo.add_argument(
         "--async-steps",
         type=int,
-        default=500,
-        help="global batches for the asynchronous rows (default 500)",
+        default=200,
+        help="global batches for the asynchronous rows (default 200)",
     )
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--speed-steps",
+        type=int,
+        default=10,
+        help="global batches of the speed comparison on an MLP; 0 skips it (default 10)",
+    )
     demo.add_argument(
         "--out", default="towers-demo/loss.png", help="PNG of the loss curves (default %(default)s)"
     )

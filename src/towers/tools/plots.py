@@ -51,3 +51,34 @@ def save_loss_plot(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path.resolve()
+
+
+def save_loss_panels(
+    panels: Sequence[tuple[str, Sequence[Curve]]],
+    path: Path,
+    *,
+    title: str,
+    ylabel: str,
+) -> Path:
+    """Side-by-side panels (x label, curves) sharing a log-scaled loss axis; write ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), sharey=True)
+    for ax, (xlabel, curves) in zip(list(axes) if len(panels) > 1 else [axes], panels):
+        for xs, ys, style in curves:
+            ax.plot(xs, ys, **style)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.grid(True, alpha=0.3)
+    first = axes[0] if len(panels) > 1 else axes
+    first.set_ylabel(ylabel)
+    first.legend(fontsize=8)
+    fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.resolve()

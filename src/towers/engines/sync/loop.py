@@ -25,6 +25,7 @@ from ..fetch import Fetcher, Planned
 from ..job import EngineResult, Job
 from ..replica import Replica, backward_shard, cpu_state
 from ..report import Reporter
+from ..syncbn import convert_batchnorm
 from .step import SyncStep
 
 __all__ = ["SyncRecord", "sync_loop"]
@@ -66,6 +67,8 @@ class _Run:
         torch.manual_seed(job.seed + self.comm.rank)
         self.step = SyncStep(self.comm, conn.device)
         self.replica = Replica.build(job, conn.device)
+        if job.sync_batchnorm:
+            convert_batchnorm(self.replica.model, self.comm)
         self.step.replicate(self.replica.model)
         self.order = BatchOrder(num_samples(job.data), job.batch_size, job.shuffle, job.seed)
         self.record = SyncRecord()

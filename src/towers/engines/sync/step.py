@@ -58,15 +58,16 @@ class SyncStep:
         self.loss_sum += loss_sum
         self.samples += samples
 
-    def reduce(self) -> StepResult:
+    def reduce(self, stamp: torch.Tensor | None = None) -> StepResult:
         """Average the gradients over all towers, weighted by samples; the same on every rank.
 
         Afterwards each parameter's ``.grad`` holds the global batch's gradient, unless the step
-        is skipped (a loss or gradient was not finite on some tower).
+        is skipped (a loss or gradient was not finite on some tower). ``stamp``: see
+        :meth:`GradientSync.finish`.
         """
         sync = self._sync()
         try:
-            return sync.finish(self.samples, self.loss_sum)
+            return sync.finish(self.samples, self.loss_sum, stamp)
         finally:
             self.samples, self.loss_sum = 0, 0.0
 
