@@ -224,6 +224,25 @@ def test_a_dataloader_as_data_is_refused_with_the_call_to_write():
     )
     with pytest.raises(TypeError, match=r"custom sampler.*WeightedRandomSampler"):
         towers.train(make_seqnet(), seq_loss, weighted, batch_size=5, steps=1)
+    replaced = DataLoader(
+        Sequences(10),
+        batch_size=2,
+        sampler=torch.utils.data.RandomSampler(range(10), replacement=True),
+    )
+    with pytest.raises(TypeError, match="with replacement"):
+        towers.train(make_seqnet(), seq_loss, replaced, batch_size=2, steps=1)
+    batched = DataLoader(Sequences(10), batch_sampler=[[0, 1], [2, 3]])
+    with pytest.raises(TypeError, match=r"custom batch_sampler \(list\)"):
+        towers.train(make_seqnet(), seq_loss, batched, batch_size=2, steps=1)
+    with pytest.raises(TypeError, match=r"loss_fn, data, eval_data=loader\.dataset, \.\.\.\)"):
+        towers.train(
+            make_seqnet(),
+            seq_loss,
+            Sequences(10),
+            batch_size=5,
+            steps=1,
+            eval_data=DataLoader(Sequences(4)),
+        )
     with pytest.raises(TypeError, match=r"eval_data=loader\.dataset"):
         towers.train(
             make_seqnet(), seq_loss, Sequences(10), batch_size=5, steps=1, eval_data=loader

@@ -194,3 +194,23 @@ def test_eval_curve_plots_one_metric_against_global_batches(tmp_path):
         ylabel="loss",
     )
     assert path.stat().st_size > 1000
+
+
+@pytest.mark.timeout(90)
+def test_local_sgd_evaluates_the_final_average_at_the_end():
+    data, eval_data = regression_data(45), regression_data(13, seed=5)
+    result = towers.train(
+        make_net(),
+        mse,
+        data,
+        batch_size=10,
+        steps=6,
+        workers=2,
+        mode="local:4",  # the last average comes after the last shard's result
+        optimizer=SGD,
+        eval_data=eval_data,
+        eval_every=3,
+        progress=False,
+    )
+    assert [d for d, _ in result.evals] == [3, 6]
+    assert_same_evals(result.evals[-1:], [(6, plain_evaluate(result.model, eval_data))])

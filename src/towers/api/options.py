@@ -11,7 +11,13 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, default_collate
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+)
 
 from ..core.data import is_dataset, num_samples, take
 from ..core.split import split
@@ -28,33 +34,43 @@ def refuse_loader(name: str, data: Any) -> None:
     """``TypeError`` for a DataLoader given as ``name``, with the exact call to write instead."""
     if not isinstance(data, DataLoader):
         return
-    if not isinstance(data.sampler, (RandomSampler, SequentialSampler)) or (
-        data.batch_sampler is not None and type(data.batch_sampler).__name__ != "BatchSampler"
-    ):
+    custom = _custom_sampling(data)
+    if custom is not None:
         raise TypeError(
-            f"{name} is a DataLoader with a custom sampler ({type(data.sampler).__name__}); "
-            "towers draws the global batches itself (DataLoader's order, from seed) and cannot "
-            f"honour it: pass {name}={name}.dataset, or the samples it selects as a Subset"
+            f"{name} is a DataLoader with {custom}; towers draws the global batches itself "
+            f"(DataLoader's order, from seed) and cannot honour it: pass {name}=loader.dataset, "
+            "or the samples it selects as a torch.utils.data.Subset"
         )
-    keywords = []
     if name == "data":
-        keywords.append(f"batch_size={data.batch_size}")
-        keywords.append(f"shuffle={isinstance(data.sampler, RandomSampler)}")
+        shuffle = isinstance(data.sampler, RandomSampler)
+        parts = ["loader.dataset", f"batch_size={data.batch_size}", f"shuffle={shuffle}"]
+    else:
+        parts = ["data", "eval_data=loader.dataset"]
     if data.collate_fn is not default_collate:
-        keywords.append(f"collate_fn={getattr(data.collate_fn, '__name__', 'your_collate_fn')}")
+        parts.append(f"collate_fn={getattr(data.collate_fn, '__name__', 'your_collate_fn')}")
     if data.num_workers:
-        keywords.append(f"num_workers={data.num_workers}")
+        parts.append(f"num_workers={data.num_workers}")
     dropped = " (towers keeps an epoch's smaller last batch: drop_last is not available)"
     raise TypeError(
         f"{name} is a DataLoader; towers draws the global batches itself (the same ones a "
-        f"DataLoader yields, from seed) and splits each over the towers: pass the loader's "
-        f"dataset and settings instead: towers.train(model, loss_fn, "
-        + ("loader.dataset, " if name == "data" else "data, ")
-        + ("eval_data=loader.dataset, " if name != "data" else "")
-        + ", ".join(keywords)
-        + ", ...)"
+        "DataLoader yields, from seed) and splits each over the towers: pass the loader's "
+        f"dataset and settings instead: towers.train(model, loss_fn, {', '.join(parts)}, ...)"
         + (dropped if data.drop_last else "")
     )
+
+
+def _custom_sampling(loader: DataLoader[Any]) -> str | None:
+    """What in ``loader`` picks samples otherwise than DataLoader's ``shuffle``, if anything."""
+    if type(loader.batch_sampler) not in (BatchSampler, type(None)):
+        return f"a custom batch_sampler ({type(loader.batch_sampler).__name__})"
+    sampler = loader.sampler
+    if type(sampler) is RandomSampler:
+        if sampler.replacement or sampler._num_samples is not None:
+            return "a RandomSampler drawing with replacement or a set number of samples"
+        return None
+    if type(sampler) is SequentialSampler:
+        return None
+    return f"a custom sampler ({type(sampler).__name__})"
 
 
 def check_options(
