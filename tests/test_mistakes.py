@@ -34,9 +34,11 @@ def test_sync_batchnorm_train_equals_one_process():
     with pytest.raises(ValueError, match="a batch of 1 meets 3 workers"):
         towers.train(bn_model(), mse, (x, y), workers=3, sync_batchnorm=True, **kwargs)
     x, y = x[:39], y[:39]  # batches of 13: shards of 5, 4, 4
+    # Gloo here; the own-loop test runs the same layers over shared memory.
     result = towers.train(
-        bn_model(), mse, (x, y), workers=3, sync_batchnorm=True, progress=False, **kwargs
-    )
+        bn_model(), mse, (x, y), workers=3, sync_batchnorm=True, progress=False,
+        transport="gloo", **kwargs,
+    )  # fmt: skip
     reference = bn_model()
     losses, _, _ = reference_loop(reference, (x, y), **kwargs)
     assert result.losses == pytest.approx(losses, rel=1e-5)

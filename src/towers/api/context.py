@@ -7,7 +7,8 @@ itself is the synchronous engine's (:class:`~towers.engines.sync.step.SyncStep`)
 
 Every step checks, inside the metadata it already sends, that all ranks are at the same step
 and, for shards taken with :meth:`Context.shards`, that their global batches have the same size
-and fingerprint (:mod:`towers.core.agree`).
+and fingerprint (:mod:`towers.core.agree`). A rank that cuts its shards itself can only be
+checked for its step counter: it never sees the global batch.
 """
 
 from __future__ import annotations

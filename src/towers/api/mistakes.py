@@ -113,7 +113,9 @@ def check_sync_batchnorm(
         raise TypeError(f"sync_batchnorm must be True or False, got {sync_batchnorm!r}")
     if not sync_batchnorm:
         if workers > 1:
-            fix = "train(..., sync_batchnorm=True)" if mode.name == "sync" else "mode='sync'"
+            fix = "train(..., sync_batchnorm=True)"
+            if mode.name != "sync":
+                fix += " in mode='sync'"
             warn_unsynced_buffers(model, fix, stacklevel=4)
         return
     if mode.name != "sync":

@@ -227,6 +227,8 @@ def train(
     parsed = _mode(mode, launched)
     workers = _workers(parsed, workers, launched)
     check_sync_batchnorm(sync_batchnorm, model, parsed, workers, n, batch_size, accumulate)
+    if not launched and (workers > 1 or parsed.name != "sync" or max_restarts):
+        check_main_guard("towers.train()")  # before any worker starts, and never restarted
     job = Job(
         model=model,
         loss_fn=loss_fn,
@@ -334,7 +336,6 @@ def _launch(job: Job, workers: int, launched: bool, isolate: bool) -> EngineResu
         with torch.random.fork_rng(devices=[]):
             out = run_job(job, resume)
     else:
-        check_main_guard("towers.train()")
         # Computing towers may die without stopping the server (rank 0), whose result counts.
         tolerate = range(1, workers + 1) if server else ()
         out = spawn(run_job, workers + server, job, resume, tolerate=tolerate)[0]

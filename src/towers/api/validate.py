@@ -19,6 +19,7 @@ from torch import nn
 
 from ..comm.group import TRANSPORTS
 from ..core.data import global_batches, num_samples, take
+from ..core.messages import shorten
 from ..core.modes import Mode
 from ..core.split import leaves, split
 from ..engines.job import Job
@@ -49,7 +50,7 @@ def check_picklable(name: str, obj: Any, hint: str) -> None:
         pickles(obj)  # as spawn sends it: tensors' data not copied, so big data costs nothing
     except Exception as exc:
         raise ValueError(
-            f"{name} cannot be sent to worker processes: {hint} (pickle: {exc})"
+            f"{name} cannot be sent to worker processes: {hint} (pickle: {shorten(str(exc))})"
         ) from None
 
 

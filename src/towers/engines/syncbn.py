@@ -96,7 +96,9 @@ class TowerBatchNorm(nn.modules.batchnorm._BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training and self.running_mean is not None:
+        if not self.training:
+            # Evaluation communicates nothing (towers may evaluate different numbers of
+            # batches); a layer without running statistics normalises over its own batch.
             return super().forward(x)
         self._check_input_dim(x)
         dims = _channel_dims(x)

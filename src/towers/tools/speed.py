@@ -4,12 +4,13 @@ The parabola trains in microseconds per step, so its towers spend their time com
 are slower than one process. This section trains :func:`~towers.tools.zoo.mlp` (1.86 M
 parameters) on a batch of 1024 random samples three ways — one process with one thread, one
 process with as many threads as there are cores, and towers with one single-threaded worker per
-core (2 to 4) — and prints the measured times side by side.
+core (2 to 4) — and prints the median time of a step of each side by side.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ BATCH = 1024
 @dataclass(frozen=True)
 class SpeedRow:
     label: str
-    seconds: float  # the training loop, start-up excluded
+    seconds: float  # the median step
     final_loss: float
 
 
@@ -46,7 +47,10 @@ def _run(
         )  # fmt: skip
     finally:
         torch.set_num_threads(before)
-    return result.seconds, result.losses[-1]
+    # The median step, not the total: a burst of other work on the machine stretches a few
+    # steps, not the typical one. The first step (warm-up) is left out.
+    steps_s = [b - a for a, b in zip(result.times, result.times[1:])]
+    return statistics.median(steps_s or [result.seconds]), result.losses[-1]
 
 
 def measure_speed(steps: int) -> list[SpeedRow]:
