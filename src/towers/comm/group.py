@@ -157,7 +157,8 @@ def connect(
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    comm = _transport(DistComm(group), transport, timeout)
+    wait = DEFAULT_TIMEOUT if timeout is None else timeout
+    comm = _transport(DistComm(group, wait), transport, timeout)
     return Connection(comm, device, local_rank, owns_group)
 
 
