@@ -217,12 +217,7 @@ def train(
         collate_fn=collate_fn,
         num_workers=num_workers,
     )
-    if (steps is None) == (epochs is None):
-        raise ValueError(
-            "give either steps= (global batches) or epochs= (passes over the data), not "
-            + ("neither" if steps is None else "both")
-        )
-    total = steps if steps is not None else epochs * batches_per_epoch(n, batch_size)  # type: ignore[operator]
+    total = _total_steps(steps, epochs, n, batch_size)
     launched = launched_env()
     parsed = _mode(mode, launched)
     workers = _workers(parsed, workers, launched)
@@ -261,14 +256,31 @@ def train(
     if job.checkpoint is not None and (not launched or os.environ.get("RANK") == "0"):
         checkpoint_files.prepare_directory(job.checkpoint, estimate_bytes(model, n))
     preflight_eval(job, workers)
+    out, restarts = _run(job, workers, launched, max_restarts)
+    return _result(model, job, workers, restarts, out)
+
+
+def _total_steps(steps: int | None, epochs: int | None, samples: int, batch_size: int) -> int:
+    """Global batches to train: ``steps``, or ``epochs`` passes over ``samples``."""
+    if steps is not None and epochs is None:
+        return steps
+    if epochs is not None and steps is None:
+        return epochs * batches_per_epoch(samples, batch_size)
+    raise ValueError(
+        "give either steps= (global batches) or epochs= (passes over the data), not "
+        + ("neither" if steps is None else "both")
+    )
+
+
+def _run(job: Job, workers: int, launched: bool, max_restarts: int) -> tuple[EngineResult, int]:
+    """Launch with restarts; Ctrl-C or SIGTERM ends in one line that names the last checkpoint."""
     try:
         with sigterm_interrupts():
-            out, restarts = _launch_with_restarts(job, workers, launched, max_restarts)
+            return _launch_with_restarts(job, workers, launched, max_restarts)
     except KeyboardInterrupt as exc:
         # The workers are stopped by now; a traceback would bury the one thing to know.
         print(stopped_line(exc, job.checkpoint), file=sys.stderr, flush=True)
         raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
-    return _result(model, job, workers, restarts, out)
 
 
 def _mode(mode: str, launched: bool) -> Mode:

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from .hang import absent_ranks, hang_error, publish_pid
+
 __all__ = ["Comm", "DistComm", "LocalComm", "PointToPoint", "Work"]
 
 
@@ -99,18 +101,50 @@ class LocalComm:
         pass
 
 
+class _NamingWork:
+    """A collective's work whose failed wait names the rank that never arrived."""
+
+    def __init__(self, work: Any, comm: DistComm):
+        self._work, self._comm = work, comm
+
+    def wait(self) -> Any:
+        try:
+            return self._work.wait()
+        except RuntimeError as exc:
+            raise self._comm.name_stuck(exc) from exc
+
+
 class DistComm:
     """Collectives of a ``torch.distributed`` process group (Gloo on CPU, NCCL on GPU)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout: float | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.timeout = timeout
+        self._store = _default_store() if group in (None, dist.group.WORLD) else None
+        if self._store is not None:
+            publish_pid(self._store, self.rank)
+
+    def name_stuck(self, exc: BaseException) -> BaseException:
+        """:class:`PeerHang` naming the ranks that did not arrive, if some did not; else ``exc``.
+
+        Called on every rank whose collective failed; they check in with each other through the
+        rendezvous store (for up to a second).
+        """
+        if self._store is None or self.world_size == 1:
+            return exc
+        absent = absent_ranks(self._store, self.rank, self.world_size)
+        if absent is None:  # the store, hosted by rank 0's process, does not answer
+            absent = [(0, None, False)]
+        if not absent:
+            return exc
+        return hang_error(self.rank, absent, self.timeout, "a collective")
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         assert work is not None
-        return work
+        return _NamingWork(work, self)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         dist.broadcast(tensor, src=src, group=self.group)
@@ -121,7 +155,10 @@ class DistComm:
         return out
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        try:
+            dist.barrier(group=self.group)
+        except RuntimeError as exc:
+            raise self.name_stuck(exc) from exc
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         return None
@@ -144,3 +181,11 @@ class DistComm:
         out: list[Any] = [None]
         dist.recv_object_list(out, src, group=self.group)
         return out[0]
+
+
+def _default_store() -> Any:
+    """The default process group's rendezvous store, or ``None`` where torch hides it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None

@@ -41,7 +41,9 @@ before every rank arrived at it, counting tokens is enough. How a rank waits for
 shorter than ``spin`` (100 us), and otherwise sleeps in ``sem_timedwait`` at once, so that a
 waiting rank leaves the core to its peers and to other jobs on a busy machine. An earlier
 version yield-polled for 1 ms on every barrier: under one busy process on 2 cores that made
-the step 2.2 times slower than sleeping (docs/performance.md). A blocked waiter checks that its
+the step 2.2 times slower than sleeping (docs/performance.md). Every rank also counts its
+arrivals in the segment, so a waiter that gives up names the rank that did not arrive
+(:class:`~towers.comm.hang.PeerHang`). A blocked waiter checks that its
 peers are alive, and gives up after ``timeout`` seconds.
 
 Nothing outlives the job: rank 0 unlinks the segment file and the semaphores as soon as every
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import os
 import threading
 import time
@@ -62,6 +65,7 @@ from typing import Any
 import torch
 
 from .base import Comm, Work
+from .hang import hang_error
 from .segment import SHM_DIR, ShmUnavailable, alive, host_key, open_shared
 from .wait import DEFAULT_SPIN_SECONDS, Waiter
 
@@ -132,7 +136,15 @@ class ShmComm:
             raise ShmUnavailable("the ranks run on more than one host")
         self._peers = [(r, pid) for r, (_, pid) in enumerate(info) if r != self.rank]
         size = (2 * self.world_size + 1) * self.slot_bytes
-        self._bytes, self._sems = open_shared(base, size, self.world_size)
+        # After the slots: one arrival counter per rank (a cache line each), so that a waiter
+        # that gives up can name the rank that never arrived.
+        self._bytes, self._sems = open_shared(
+            base, size + self.world_size * _ALIGN, self.world_size
+        )
+        self._arrivals = [
+            ctypes.c_int64.from_address(self._bytes.data_ptr() + size + r * _ALIGN)
+            for r in range(self.world_size)
+        ]
         self._mine = self._sems[self.rank]
         self._waiter = Waiter(self._mine, spin)
         self._others = [s for r, s in enumerate(self._sems) if r != self.rank]
@@ -348,6 +360,7 @@ class ShmComm:
         return [min(n, (n * r // world) // step * step) for r in range(world)] + [n]
 
     def _barrier(self) -> None:
+        self._arrivals[self.rank].value += 1
         for sem in self._others:
             sem.release()
         mine, waiter = self._mine, self._waiter
@@ -365,9 +378,16 @@ class ShmComm:
                         "in a shared-memory all-reduce"
                     )
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"rank {self.rank} waited more than {self.timeout:g} s for the other ranks in "
-                    "a shared-memory all-reduce; is a worker stuck, or did the ranks issue "
-                    "different collectives?"
-                )
+                raise self._hang()
         waiter.done(start)
+
+    def _hang(self) -> TimeoutError:
+        """The error of a waiter that gave up: names the ranks behind it, if any are."""
+        mine = self._arrivals[self.rank].value
+        behind = [(r, pid, True) for r, pid in self._peers if self._arrivals[r].value < mine]
+        if behind:
+            return hang_error(self.rank, behind, self.timeout, "a shared-memory all-reduce")
+        return TimeoutError(
+            f"rank {self.rank} waited more than {self.timeout:g} s for the other ranks in "
+            "a shared-memory all-reduce; did the ranks issue different collectives?"
+        )

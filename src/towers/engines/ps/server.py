@@ -9,6 +9,9 @@ mode; what differs (when a request is answered, what an arriving result does) is
 policy (:mod:`towers.engines.ps.policies`). The state lives in
 :class:`~towers.engines.ps.state.ServerState`.
 
+A tower that does not answer its work within half the timeout (stopped, stuck) is treated as a
+dead one: its shard goes to the others and training goes on.
+
 A non-finite loss or gradient is never applied: the shard (backup: the step) is reported in
 ``skipped`` with the worker that computed it.
 
@@ -20,11 +23,14 @@ batches and at the end, and a server built from such a checkpoint goes on from i
 from __future__ import annotations
 
 import math
+import queue
 import time
+import warnings
 from typing import Any, cast
 
 import torch
 
+from ...comm.group import DEFAULT_TIMEOUT
 from ...core.data import batch_len, num_samples
 from ...core.split import shard_sizes
 from ...core.step import all_finite
@@ -72,6 +78,11 @@ class Server:
         self.seconds = math.nan
         self.evaluated_final = False
         self.fetch = Fetcher(job)
+        # A tower that holds work this long without a word is hung, and treated as dead. Half
+        # the timeout: the towers waiting for that work must get it before their own receives
+        # (bounded by the timeout) give up.
+        self.hang_after = (DEFAULT_TIMEOUT if job.timeout is None else job.timeout) / 2
+        self.expecting: dict[int, float] = {}  # tower -> when it was sent work to answer
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -88,7 +99,14 @@ class Server:
     def _loop(self) -> None:
         s = self.state
         while s.live - s.byes:
-            tower, msg = self.link.get()
+            got = self._next()
+            if got is None:  # a tower hung, and was let go
+                self._serve()
+                continue
+            tower, msg = got
+            self.expecting.pop(tower, None)
+            if tower not in s.live:
+                continue  # a tower let go as hung that woke up: its messages are stale
             if msg is None:
                 self.lost(tower)
             else:
@@ -102,6 +120,27 @@ class Server:
             self._serve()
             self._maybe_evaluate()
             self._maybe_save()
+
+    def _next(self) -> tuple[int, torch.Tensor | None] | None:
+        """The next message, or ``None`` after letting go of a tower that hung."""
+        if not self.expecting:
+            return self.link.get()
+        tower, since = min(self.expecting.items(), key=lambda item: item[1])
+        try:
+            return self.link.get(timeout=max(0.0, since + self.hang_after - time.monotonic()))
+        except queue.Empty:
+            pass
+        del self.expecting[tower]
+        warnings.warn(
+            f"tower {tower} (rank {tower + 1}) has not answered for {self.hang_after:g} s (half "
+            "the timeout); it is treated as dead and its work goes to the other towers",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        self.lost(tower)
+        if self.state.live:
+            self.send(tower, Kind.STOP, payload=True)  # if it wakes up, it stops
+        return None
 
     def elapsed(self) -> float:
         """Seconds since this run's loop started (the record holds earlier runs')."""
@@ -190,6 +229,8 @@ class Server:
             self.layout.write_values(msg, self.model)
         self.layout.stamp(msg, kind, version=self.state.version, payload=payload, **fields)
         self.link.send(t, msg)
+        if kind in (Kind.WORK, Kind.AVERAGE):
+            self.expecting[t] = time.monotonic()
 
     def answered(self, t: int, h: Header) -> tuple[Shard, int]:
         """Tower ``t``'s shard in flight, now answered by ``h``, and the version it pulled."""
