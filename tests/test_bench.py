@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 
 from towers.tools.cli import main
+from towers.tools.load import busy
+from towers.tools.startup import in_fresh_process, table
 
 
 @pytest.mark.timeout(120)
@@ -16,6 +20,9 @@ def test_quick_bench_writes_json_table_and_chart(tmp_path, capsys):
     assert (tmp_path / "sweep.png").stat().st_size > 0
     table = (tmp_path / "bench.txt").read_text()
     assert "towers-shm" in table and "ddp" in table and table in capsys.readouterr().out
+    # every column and arm is explained in the table itself
+    for term in ("x DDP:", "x 1 proc:", "scaling:", "floor:", "single-Nt:", "lent:"):
+        assert term in table, term
 
     assert results["config"]["workers"] == 2
     assert set(results["models"]) == {"mlp", "cnn"}
@@ -45,3 +52,34 @@ def test_bench_refuses_unknown_arms_and_bad_counts(capsys):
     assert "horovod" in capsys.readouterr().err
     assert main(["bench", "--repeats", "0"]) == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "--load", "-1"]) == 2
+    assert "--load must be >= 0" in capsys.readouterr().err
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(30)
+def test_busy_processes_spin_while_the_block_runs_and_are_gone_after():
+    with busy(2) as pids:
+        assert len(set(pids)) == 2
+        time.sleep(0.5)
+        assert all(_cpu_seconds(pid) > 0.05 for pid in pids)
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}"), f"busy process {pid} outlived the block"
+    with pytest.raises(ValueError, match="must be >= 0"), busy(-1):
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_startup_is_timed_from_a_fresh_interpreter():
+    startup = in_fresh_process(workers=2, calls=1)
+    assert startup["import_s"] > 0
+    assert set(startup["calls"]) == {"spawn", "train sync", "train async", "towers run"}
+    for name, values in startup["calls"].items():
+        assert len(values) == 1 and values[0] > 0, name
+    text = "\n".join(table(startup))
+    assert "call 1" in text and "towers run" in text

@@ -191,10 +191,28 @@ def test_checkpoints_of_the_first_format_are_read(tmp_path):
     whole = run(6, workers=1)
     run(4, workers=1, checkpoint=tmp_path)
     state = torch.load(tmp_path / "step-00000004.pt", weights_only=True)
-    old = {k: v for k, v in state.items() if k not in ("kind", "version", "scheduled")}
+    old = {k: v for k, v in state.items() if k not in ("kind", "version", "scheduled", "sha256")}
     old["format"] = 1
     old["history"] = old.pop("record")
     for path in tmp_path.iterdir():
         path.unlink()
     torch.save(old, tmp_path / "step-00000004.pt")
     assert_same_run(run(6, workers=1, checkpoint=tmp_path), whole)
+
+
+def test_a_corrupt_or_empty_newest_file_falls_back_naming_both(tmp_path):
+    run(4, workers=1, checkpoint=tmp_path, checkpoint_every=2)
+    newest, previous = tmp_path / "step-00000004.pt", tmp_path / "step-00000002.pt"
+    raw = newest.read_bytes()
+    weight = torch.load(newest, weights_only=True)["model"]["fc1.weight"]
+    at = raw.index(weight.numpy().tobytes())
+    flipped = bytes(b ^ 0x7F for b in raw[at : at + 8])  # 8 bytes of one tensor, as a bad disk
+    newest.write_bytes(raw[:at] + flipped + raw[at + 8 :])
+    pattern = (
+        rf"{newest} cannot be read .*sha256.*corrupt.*resuming from the previous one, {previous}"
+    )
+    with pytest.warns(RuntimeWarning, match=pattern):
+        assert _checkpoint.load_latest(tmp_path, "sync")["step"] == 2
+    newest.write_bytes(b"")
+    with pytest.warns(RuntimeWarning, match=rf"{newest} cannot be read .*empty.*{previous}"):
+        assert _checkpoint.load_latest(tmp_path, "sync")["step"] == 2

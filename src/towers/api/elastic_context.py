@@ -23,6 +23,7 @@ from torch import nn
 
 from ..comm.base import PeerFailure
 from ..comm.elastic import ElasticConnection
+from ..core.agree import BatchStamp, fingerprint
 from ..core.split import batch_size, map_batch, split
 from ..core.step import StepResult
 from ..engines.sync.gradsync import DEFAULT_BUCKET_BYTES
@@ -43,6 +44,8 @@ class ElasticContext(Context):
         self.device = conn.device
         self.steps = 0  # global batches completed
         self._shard_samples: int | None = None
+        self._batch: tuple[int, int] | None = None  # the last global batch's size, fingerprint
+        self._accumulated = False
         self._model: nn.Module | None = None
         self._opt: torch.optim.Optimizer | None = None
         self._pending_opt: dict[str, Any] | None = None
@@ -104,7 +107,15 @@ class ElasticContext(Context):
         self._joining = False
         self._step.replicate(model, self._bucket_bytes)
 
-    def replicate(self, model: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> nn.Module:
+    def replicate(
+        self,
+        model: nn.Module,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        sync_batchnorm: bool = False,
+    ) -> nn.Module:
+        if sync_batchnorm:
+            raise ValueError("towers run --elastic does not combine with sync_batchnorm=True yet")
         if not isinstance(model, nn.Module):
             raise TypeError(f"replicate() needs an nn.Module, got {type(model).__name__}")
         self._model, self._bucket_bytes = model.to(self.device), bucket_bytes
@@ -128,6 +139,7 @@ class ElasticContext(Context):
             while True:
                 shard = split(batch, self.world_size)[self.rank]
                 self._shard_samples = batch_size(shard)
+                self._batch = (batch_size(batch), fingerprint(batch))
                 yield map_batch(lambda t: torch.as_tensor(t).to(self.device), shard)
                 if not self._redo:
                     break
@@ -148,15 +160,17 @@ class ElasticContext(Context):
             optimizer.load_state_dict(self._pending_opt)
             self._pending_opt = None
         samples = self._weight(samples)
+        size, mark = self._batch if self._batch is not None else (None, None)
+        stamp = BatchStamp(self.world_size).pack(self.rank, self.steps, size, mark)
         before, failed = self.steps, False
         try:
             self._step.arm()
             self._backward(loss, samples)
-            result = self._step.reduce(regroup=self._econn.membership.regroup_wanted)
+            result = self._step.reduce(stamp, regroup=self._econn.membership.regroup_wanted)
             self._step.apply(result, optimizer)
         except PeerFailure:
             failed = True
-        self._shard_samples = None
+        self._shard_samples, self._batch, self._accumulated = None, None, False
         if failed:
             self._step.zero_grad()
             self._generation = self._econn.generation + 1
@@ -171,6 +185,13 @@ class ElasticContext(Context):
             self._generation = self._econn.generation + 1
             self._regroup()
         return result
+
+    def backward(self, loss: torch.Tensor | None, samples: int | None = None) -> StepResult:
+        """Not under ``towers run --elastic``: a lost peer could not be redone after it."""
+        raise ValueError(
+            "ctx.backward() is not available under towers run --elastic (a step interrupted by "
+            "a lost worker must be redone inside ctx.step); use ctx.step(loss, optimizer)"
+        )
 
     def close(self) -> None:
         """Wait until every member has done every step, then leave the job."""

@@ -39,9 +39,12 @@ class TrainResult:
             replacements get ``workers``, ``workers + 1``, ...).
         world: sync mode: per step, the number of towers that computed it (changes in an
             elastic run when a worker is lost or a replacement joins).
-        recoveries: elastic sync runs: ``(step, seconds)`` for each loss of a worker: the step
-            that was redone by the survivors, and the seconds from the loss (the death, or the
-            last heartbeat of a hung worker) until that step completed.
+        recoveries: elastic sync runs: ``(step, seconds)`` for each recovery from lost workers
+            (two losses close together are recovered by one): the step that was redone by the
+            survivors, and the seconds from the loss (the death, or the last heartbeat of a
+            hung worker) until that step completed.
+        evals: with ``eval_data=``: ``(global batches completed, {metric: value})`` for every
+            evaluation, in order; the last is at ``steps``, of the trained parameters.
     """
 
     model: nn.Module
@@ -61,6 +64,7 @@ class TrainResult:
     dead_workers: list[int] = field(default_factory=list)
     world: list[int] = field(default_factory=list)
     recoveries: list[tuple[int, float]] = field(default_factory=list)
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
     @property
     def updates(self) -> int:

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -22,14 +23,29 @@ import torch
 from torch import nn
 
 from ..comm.group import DEFAULT_TIMEOUT, launched_env
+from ..core.args import check_timeout
 from ..core.data import batches_per_epoch
 from ..core.messages import first_line
 from ..core.modes import Mode, parse_mode
-from ..engines.job import EngineResult, Job, LossFn, OptimizerFactory, ScheduleFactory
+from ..engines import checkpoint as checkpoint_files
+from ..engines.checkpoint import estimate_bytes
+from ..engines.job import (
+    CollateFn,
+    EngineResult,
+    EvalFn,
+    Job,
+    LossFn,
+    OptimizerFactory,
+    ScheduleFactory,
+)
 from ..engines.job import default_optimizer as _default_optimizer
 from ..engines.run import load_resume, run_elastic, run_job
 from ..processes.elastic import HANG_SECONDS, supervise
+from ..processes.guard import check_main_guard
+from ..processes.lifeline import Terminated, sigterm_interrupts, stopped_line
 from ..processes.spawn import spawn
+from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
+from .options import check_options, preflight_eval, refuse_loader
 from .result import TrainResult
 from .validate import check_arguments, check_elastic, check_straggle, check_workers, preflight
 
@@ -59,6 +75,13 @@ def train(
     max_restarts: int = 0,
     straggle: dict[int, float] | None = None,
     transport: str | None = None,
+    eval_data: Any = None,
+    eval_fn: EvalFn | None = None,
+    eval_every: int | None = None,
+    lr_interval: str = "step",
+    collate_fn: CollateFn | None = None,
+    num_workers: int = 0,
+    sync_batchnorm: bool = False,
     elastic: bool = False,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
@@ -97,9 +120,9 @@ def train(
             arrive and drops the rest). A dead worker does not stop the asynchronous modes.
             In a job started by ``towers run --mode M``, the default ``"sync"`` becomes ``M``.
         optimizer: ``params -> Optimizer``; default SGD with lr 0.01.
-        lr_schedule: ``optimizer -> LRScheduler``, stepped once per global batch (in the
-            asynchronous modes: before the first update from global batch k, it is stepped up
-            to k).
+        lr_schedule: ``optimizer -> LRScheduler``, stepped once per global batch, or once per
+            epoch with ``lr_interval="epoch"`` (in the asynchronous modes: before the first
+            update from global batch k, it is stepped up to k, or to the epochs before k's).
         seed: seeds the batch order (and each worker's RNG as ``seed + rank``).
         shuffle: draw a new permutation of ``data`` every epoch.
         checkpoint: a directory for checkpoints (parameters, optimizer and schedule state, data
@@ -124,9 +147,34 @@ def train(
         straggle: ``{tower: factor}`` makes those towers take ``factor`` times as long per shard
             (they sleep ``factor - 1`` times their compute time), in every mode: a straggler for
             experiments such as ``towers compare``.
+        transport: how sync workers average, and how the asynchronous server and its workers
+            exchange messages: ``"shm"`` (shared memory, one host), ``"gloo"``, ``"nccl"``, or
+            ``"auto"`` (the default: shared memory when every worker is on this host, with CPU
+            tensors for sync); also set by ``TOWERS_TRANSPORT``.
+        eval_data: samples to evaluate on (tensors or a map-style Dataset), all of them, every
+            ``eval_every`` global batches and at the end; split over the towers (the server
+            alone in the asynchronous modes), in eval mode under ``no_grad``. The results, in
+            ``TrainResult.evals``, equal a single-process evaluation.
+        eval_fn: ``eval_fn(model, batch) -> {name: mean over the batch}``; default
+            ``{"loss": loss_fn(model, batch)}``. Combined weighted by the samples behind each.
+        eval_every: global batches between evaluations; ``None``: at the end only.
+        lr_interval: ``"step"`` (``lr_schedule`` steps after every global batch) or
+            ``"epoch"`` (after every pass over ``data``, as in a loop calling
+            ``scheduler.step()`` once per epoch).
+        collate_fn: turns a list of a Dataset's samples into a batch, as DataLoader's (each
+            tower collates its own samples: pad to the longest in the tower's shard); default
+            DataLoader's ``default_collate``.
+        num_workers: data-loading processes per tower (a DataLoader over the tower's samples,
+            fetching ahead; see docs/training.md); 0 loads in the tower's process.
         transport: how sync workers average: ``"shm"`` (shared memory, local CPU workers),
             ``"gloo"``, ``"nccl"``, or ``"auto"`` (the default: shared memory when every worker
             is on this host with CPU tensors); also set by ``TOWERS_TRANSPORT``.
+        sync_batchnorm: BatchNorm layers normalise over the whole global batch (statistics
+            summed over the towers, weighted by samples), so that training and running
+            statistics equal one process's (sync mode; every global batch needs at least one
+            sample per tower). Without it each tower normalises over its own shard, a warning
+            says so, and ``TrainResult.model`` keeps rank 0's running statistics
+            (docs/batchnorm.md).
         elastic: sync mode, local CPU workers: a worker that dies or hangs is dropped, the
             survivors redo the interrupted global batch among themselves and training goes on,
             with the same parameters as an uninterrupted run (see docs/elastic.md). With
@@ -137,11 +185,19 @@ def train(
     Returns:
         A :class:`TrainResult`.
 
+    Raises:
+        SystemExit: on Ctrl-C or ``SIGTERM`` (code 130 or 143), after stopping every worker and
+            printing one line that says where the last checkpoint is. Workers also die when
+            this process is killed outright (``SIGKILL``, the OOM killer).
+
     Example:
         >>> result = towers.train(model, mse, (x, y), batch_size=50, steps=100, workers=4)
         >>> result.losses[-1] < result.losses[0]  # doctest: +SKIP
         True
     """
+    refuse_loader("data", data)
+    refuse_wrapped_model(model, "train()")
+    refuse_sample_list(data)
     n = check_arguments(
         model,
         loss_fn,
@@ -159,16 +215,24 @@ def train(
         transport=transport,
         log_dir=log_dir,
     )
-    if (steps is None) == (epochs is None):
-        raise ValueError(
-            "give either steps= (global batches) or epochs= (passes over the data), not "
-            + ("neither" if steps is None else "both")
-        )
-    total = steps if steps is not None else epochs * batches_per_epoch(n, batch_size)  # type: ignore[operator]
+    timeout = check_timeout(timeout)
+    check_options(
+        data,
+        eval_data=eval_data,
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+        lr_interval=lr_interval,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+    )
+    total = _total_steps(steps, epochs, n, batch_size)
     launched = launched_env()
     parsed = _mode(mode, launched)
     workers = _workers(parsed, workers, launched)
-    check_elastic(elastic, parsed, transport, launched)
+    check_sync_batchnorm(sync_batchnorm, model, parsed, workers, n, batch_size, accumulate)
+    if not launched and (workers > 1 or parsed.name != "sync" or max_restarts):
+        check_main_guard("towers.train()")  # before any worker starts, and never restarted
+    check_elastic(elastic, parsed, transport, launched, sync_batchnorm)
     job = Job(
         model=model,
         loss_fn=loss_fn,
@@ -189,11 +253,44 @@ def train(
         every_rank=launched,
         straggle=check_straggle(straggle, workers),
         transport=transport,
+        eval_data=eval_data,
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+        lr_interval=lr_interval,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        sync_batchnorm=bool(sync_batchnorm),
         elastic=bool(elastic),
     )
     preflight(job, workers)
-    out, restarts = _launch_with_restarts(job, workers, launched, max_restarts)
+    if job.checkpoint is not None and (not launched or os.environ.get("RANK") == "0"):
+        checkpoint_files.prepare_directory(job.checkpoint, estimate_bytes(model, n))
+    preflight_eval(job, workers)
+    out, restarts = _run(job, workers, launched, max_restarts)
     return _result(model, job, workers, restarts, out)
+
+
+def _total_steps(steps: int | None, epochs: int | None, samples: int, batch_size: int) -> int:
+    """Global batches to train: ``steps``, or ``epochs`` passes over ``samples``."""
+    if steps is not None and epochs is None:
+        return steps
+    if epochs is not None and steps is None:
+        return epochs * batches_per_epoch(samples, batch_size)
+    raise ValueError(
+        "give either steps= (global batches) or epochs= (passes over the data), not "
+        + ("neither" if steps is None else "both")
+    )
+
+
+def _run(job: Job, workers: int, launched: bool, max_restarts: int) -> tuple[EngineResult, int]:
+    """Launch with restarts; Ctrl-C or SIGTERM ends in one line that names the last checkpoint."""
+    try:
+        with sigterm_interrupts():
+            return _launch_with_restarts(job, workers, launched, max_restarts)
+    except KeyboardInterrupt as exc:
+        # The workers are stopped by now; a traceback would bury the one thing to know.
+        print(stopped_line(exc, job.checkpoint), file=sys.stderr, flush=True)
+        raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
 
 
 def _mode(mode: str, launched: bool) -> Mode:

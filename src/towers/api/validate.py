@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import importlib
 import os
-import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,11 +19,13 @@ from torch import nn
 
 from ..comm.group import TRANSPORTS
 from ..core.data import global_batches, num_samples, take
+from ..core.messages import shorten
 from ..core.modes import Mode
 from ..core.split import leaves, split
 from ..engines.job import Job
 from ..engines.replica import check_loss
 from ..processes.elastic import ELASTIC_ENV
+from ..processes.pack import check_picklable as pickles
 
 __all__ = [
     "check_arguments",
@@ -47,10 +48,10 @@ def positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
 
 def check_picklable(name: str, obj: Any, hint: str) -> None:
     try:
-        pickle.dumps(obj)
+        pickles(obj)  # as spawn sends it: tensors' data not copied, so big data costs nothing
     except Exception as exc:
         raise ValueError(
-            f"{name} cannot be sent to worker processes: {hint} (pickle: {exc})"
+            f"{name} cannot be sent to worker processes: {hint} (pickle: {shorten(str(exc))})"
         ) from None
 
 
@@ -187,11 +188,13 @@ def preflight(job: Job, workers: int) -> None:
                 "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=100, gamma=0.5)",
             )
         first = next(global_batches(num_samples(job.data), job.batch_size, job.shuffle, job.seed))
-        shard = take(job.data, split(first, workers)[0])
+        shard = take(job.data, split(first, workers)[0], job.collate_fn)
         check_loss(job.loss_fn(probe, shard))
 
 
-def check_elastic(elastic: Any, mode: Mode, transport: str | None, launched: bool) -> None:
+def check_elastic(
+    elastic: Any, mode: Mode, transport: str | None, launched: bool, sync_batchnorm: Any = False
+) -> None:
     """``elastic=True`` needs sync mode, CPU workers, and local workers started by ``train``."""
     if not isinstance(elastic, bool):
         raise TypeError(f"elastic must be True or False, got {elastic!r}")
@@ -208,6 +211,11 @@ def check_elastic(elastic: Any, mode: Mode, transport: str | None, launched: boo
             f"elastic=True applies to mode='sync' (a lost worker's share of each global batch "
             f"goes to the others, with exact results); mode {str(mode)!r} already goes on "
             "without a dead worker: drop elastic=True"
+        )
+    if sync_batchnorm:
+        raise ValueError(
+            "elastic=True does not combine with sync_batchnorm=True yet (its statistics are "
+            "summed over a fixed group of towers); drop one of them"
         )
     if transport == "nccl" or (transport in (None, "auto") and torch.cuda.is_available()):
         raise ValueError(

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from .hang import absent_ranks, hang_error, publish_pid
+
 __all__ = ["Comm", "DistComm", "LocalComm", "PeerFailure", "PeerTimeout", "PointToPoint", "Work"]
 
 _SLICE = 0.25  # seconds between checks of the interrupt while a collective waits
@@ -121,6 +123,19 @@ class LocalComm:
         pass
 
 
+class _NamingWork:
+    """A collective's work whose failed wait names the rank that never arrived."""
+
+    def __init__(self, work: Any, comm: DistComm):
+        self._work, self._comm = work, comm
+
+    def wait(self) -> Any:
+        try:
+            return self._work.wait()
+        except RuntimeError as exc:
+            raise self._comm.name_stuck(exc) from exc
+
+
 class _Interruptible:
     """A process group's work whose wait gives up when ``interrupt`` is set.
 
@@ -158,27 +173,52 @@ class DistComm:
     """Collectives of a ``torch.distributed`` process group (Gloo on CPU, NCCL on GPU).
 
     With ``interrupt`` (elastic runs), a collective's failure raises :class:`PeerFailure`, and
-    setting the event makes a waiting collective raise it too; without, errors pass unchanged.
+    setting the event makes a waiting collective raise it too; without, a failed collective
+    names the ranks that did not arrive.
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, interrupt: threading.Event | None = None
+        self,
+        group: dist.ProcessGroup | None = None,
+        timeout: float | None = None,
+        interrupt: threading.Event | None = None,
     ):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.timeout = timeout
         self.interrupt = interrupt
+        self._store = _default_store() if group in (None, dist.group.WORLD) else None
+        if self._store is not None:
+            publish_pid(self._store, self.rank)
 
     def _wait(self, work: Any) -> None:
         if self.interrupt is None:
-            work.wait()
+            _NamingWork(work, self).wait()
         else:
             _Interruptible(work, self.interrupt).wait()
+
+    def name_stuck(self, exc: BaseException) -> BaseException:
+        """:class:`PeerHang` naming the ranks that did not arrive, if some did not; else ``exc``.
+
+        Called on every rank whose collective failed; they check in with each other through the
+        rendezvous store (for up to a second).
+        """
+        if self._store is None or self.world_size == 1:
+            return exc
+        absent = absent_ranks(self._store, self.rank, self.world_size)
+        if absent is None:  # the store, hosted by rank 0's process, does not answer
+            absent = [(0, None, False)]
+        if not absent:
+            return exc
+        return hang_error(self.rank, absent, self.timeout, "a collective")
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         assert work is not None
-        return work if self.interrupt is None else _Interruptible(work, self.interrupt)
+        if self.interrupt is None:
+            return _NamingWork(work, self)
+        return _Interruptible(work, self.interrupt)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self._wait(dist.broadcast(tensor, src=src, group=self.group, async_op=True))
@@ -227,3 +267,11 @@ class DistComm:
         out: list[Any] = [None]
         dist.recv_object_list(out, src, group=self.group)
         return out[0]
+
+
+def _default_store() -> Any:
+    """The default process group's rendezvous store, or ``None`` where torch hides it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None

@@ -62,7 +62,7 @@ class ElasticConnection:
                 world_size=world,
                 timeout=timedelta(seconds=self.timeout),
             )
-            base = DistComm(None, self.membership.interrupt)
+            base = DistComm(None, self.timeout, self.membership.interrupt)
             self.comm = self._transport(base)
         except PeerFailure:
             raise

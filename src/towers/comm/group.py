@@ -21,8 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.messages import first_line
 from .base import Comm, DistComm, LocalComm
 from .net import is_loopback
+from .rendezvous import choose_interface, join
 from .shm import ShmComm, ShmUnavailable
 
 __all__ = [
@@ -47,12 +49,14 @@ def launched_env(environ: Mapping[str, str] | None = None) -> bool:
     return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def _loopback_store(addr: str, port: int, rank: int, world: int, timeout: timedelta) -> Any:
-    """A rendezvous store that listens on loopback only.
+def _store(addr: str, port: int, rank: int, world: int, timeout: timedelta) -> Any:
+    """The rendezvous store (rank 0 hosts it); on a loopback address it listens on loopback only.
 
     torch's TCPStore listens on every interface; handing it a socket bound to ``addr`` keeps a
     single-machine job unreachable from the network.
     """
+    if rank == 0 and not is_loopback(addr):
+        return dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False)
     if rank == 0:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
@@ -71,11 +75,10 @@ def _loopback_store(addr: str, port: int, rank: int, world: int, timeout: timede
     try:
         return dist.TCPStore(addr, port, world, False, timeout)
     except dist.DistError as exc:
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise TimeoutError(
             f"rank {rank} could not reach the rendezvous at {addr}:{port} within "
             f"{timeout.total_seconds():g} s: is rank 0 running, and are MASTER_ADDR and "
-            f"MASTER_PORT right? ({first})"
+            f"MASTER_PORT right? ({first_line(exc)})"
         ) from None
 
 
@@ -83,7 +86,10 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
     """Initialise the default process group from the launcher's environment.
 
     Under torchrun the agent's store is used, one key space per restart attempt. A job of our
-    own on a loopback ``MASTER_ADDR`` gets a store that listens on loopback only.
+    own on a loopback ``MASTER_ADDR`` gets a store that listens on loopback only. Every rank
+    checks in before the group is built, so that a rank that never comes is named after
+    ``timeout`` (:func:`towers.comm.rendezvous.join`); across hosts, Gloo is pointed at the
+    interface that reaches ``MASTER_ADDR`` unless ``GLOO_SOCKET_IFNAME`` says otherwise.
     """
     if dist.is_initialized():
         return dist.group.WORLD
@@ -102,12 +108,12 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         client = dist.TCPStore(addr, port, world, False, wait)
         store = dist.PrefixStore(f"towers/attempt_{attempt}", client)
-        dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
-    elif is_loopback(addr):
-        store = _loopback_store(addr, port, rank, world, wait)
-        dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
     else:
-        dist.init_process_group(init_method="env://", **kwargs)
+        store = _store(addr, port, rank, world, wait)
+    if not is_loopback(addr):
+        choose_interface(addr, backend)
+    join(store, rank, world, wait, f"{addr}:{port}")
+    dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
     return dist.group.WORLD
 
 
@@ -157,7 +163,8 @@ def connect(
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    comm = _transport(DistComm(group), transport, timeout)
+    wait = DEFAULT_TIMEOUT if timeout is None else timeout
+    comm = _transport(DistComm(group, wait), transport, timeout)
     return Connection(comm, device, local_rank, owns_group)
 
 

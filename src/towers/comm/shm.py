@@ -22,9 +22,13 @@ Writing a slot again two chunks later is safe without a third barrier: the chunk
 passed a barrier that every rank reaches only after it finished reading the older chunk.
 
 Buffers lent by :meth:`ShmComm.buffer` (the engine packs its gradient buckets into them) skip the
-copies: each rank adds the peers' part r to its own buffer in place, then copies the other
-parts from their owners' buffers, and a third barrier keeps it from writing its buffer again
-while a peer still reads it. That moves about 2.5 times fewer bytes.
+copies: after a barrier, rank r adds the peers' part r to its own buffer in place and writes
+the sum into part r of every peer's buffer; a second barrier, and every buffer holds the whole
+sum. Between the barriers only rank r touches part r of any buffer, and after the second no
+rank reads another's buffer, so each may write its own again at once (the next gradients).
+Pushing the sums (instead of each rank pulling the others' parts after the second barrier)
+saves the third barrier that pulling needs, and each barrier is a point where a rank on a busy
+machine may wait for a peer that is not running. That moves about 2.5 times fewer bytes.
 
 Sums run when their work is waited on, in launch order, on the calling thread: on CPU the
 cores are busy with backward anyway, so a helper thread (``threaded=True``) adds GIL hand-offs
@@ -32,12 +36,15 @@ and gains nothing measurable on 2 cores (docs/performance.md).
 
 Synchronisation: one named POSIX semaphore per rank. Arriving at a barrier posts one token to
 every other rank and takes ``world_size - 1`` from its own; since no rank passes barrier k
-before every rank arrived at it, counting tokens is enough. A waiter polls for up to ``spin``
-seconds, yielding the core between polls (so that with more workers than cores the rank it
-waits for can run), then blocks in ``sem_timedwait``. On 2 cores polling 1 ms halves the latency
-of a small all-reduce (24 us against 45 us with 2 workers, 77 against 128 us with 4) and changes
-step times by less than the noise, up to 8 workers (docs/performance.md). A blocked waiter
-checks that its peers are alive, and gives up after ``timeout`` seconds.
+before every rank arrived at it, counting tokens is enough. How a rank waits for its tokens is
+:class:`towers.comm.wait.Waiter`'s: it polls (without yielding) only while recent waits were
+shorter than ``spin`` (100 us), and otherwise sleeps in ``sem_timedwait`` at once, so that a
+waiting rank leaves the core to its peers and to other jobs on a busy machine. An earlier
+version yield-polled for 1 ms on every barrier: under one busy process on 2 cores that made
+the step 2.2 times slower than sleeping (docs/performance.md). Every rank also counts its
+arrivals in the segment, so a waiter that gives up names the rank that did not arrive
+(:class:`~towers.comm.hang.PeerHang`). A blocked waiter checks that its
+peers are alive, and gives up after ``timeout`` seconds.
 
 Nothing outlives the job: rank 0 unlinks the segment file and the semaphores as soon as every
 rank has attached, so the memory is freed when the last process exits, even on ``SIGKILL``
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import os
 import threading
 import time
@@ -56,8 +64,10 @@ from typing import Any
 
 import torch
 
-from .base import Comm, PeerFailure, PeerTimeout, Work
+from .base import Comm, PeerFailure, Work
+from .hang import hang_error
 from .segment import SHM_DIR, ShmUnavailable, alive, host_key, open_shared
+from .wait import DEFAULT_SPIN_SECONDS, Waiter
 
 __all__ = ["SHM_DIR", "ShmComm", "ShmUnavailable"]
 
@@ -65,8 +75,6 @@ DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
 # Below this, one barrier and every rank summing everything beats reduce-scatter/all-gather,
 # whose second barrier and extra kernel launches cost more than the bandwidth they save.
 SMALL_BYTES = 256 * 1024
-# How long a waiter polls before it sleeps on its semaphore (see the module doc).
-DEFAULT_SPIN_SECONDS = 1e-3
 _ALIGN = 64
 _SLICE = 0.25  # seconds between liveness checks of the peers while blocked
 
@@ -98,7 +106,8 @@ class ShmComm:
     Built collectively on every rank of ``base`` (a process group whose ranks share this host);
     ``base`` carries the other collectives. ``all_reduce_sum`` returns at once; the sum runs
     when the work is waited on (or on a helper thread with ``threaded=True``), in launch order
-    either way. A barrier polls for ``spin`` seconds before it blocks.
+    either way. A barrier polls for at most ``spin`` seconds, and only while recent waits were
+    that short, before it sleeps (:class:`~towers.comm.wait.Waiter`).
 
     Raises:
         ShmUnavailable: on every rank alike, if the ranks are not on one host or the segment
@@ -129,8 +138,17 @@ class ShmComm:
             raise ShmUnavailable("the ranks run on more than one host")
         self._peers = [(r, pid) for r, (_, pid) in enumerate(info) if r != self.rank]
         size = (2 * self.world_size + 1) * self.slot_bytes
-        self._bytes, self._sems = open_shared(base, size, self.world_size)
+        # After the slots: one arrival counter per rank (a cache line each), so that a waiter
+        # that gives up can name the rank that never arrived.
+        self._bytes, self._sems = open_shared(
+            base, size + self.world_size * _ALIGN, self.world_size
+        )
+        self._arrivals = [
+            ctypes.c_int64.from_address(self._bytes.data_ptr() + size + r * _ALIGN)
+            for r in range(self.world_size)
+        ]
         self._mine = self._sems[self.rank]
+        self._waiter = Waiter(self._mine, spin)
         self._others = [s for r, s in enumerate(self._sems) if r != self.rank]
         # buffers from buffer(): (start address, end address, every rank's bytes)
         self._regions: list[tuple[int, int, list[torch.Tensor]]] = []
@@ -327,23 +345,19 @@ class ShmComm:
         x[hi:].copy_(result[hi:])
 
     def _sum_in_place(self, copies: list[torch.Tensor]) -> None:
-        """Reduce-scatter and all-gather straight between the ranks' buffers."""
+        """Reduce-scatter, then push each summed part into every rank's buffer (module doc)."""
         world, rank = self.world_size, self.rank
         bounds = self._bounds(copies[rank])
         lo, hi = bounds[rank], bounds[rank + 1]
-        mine = copies[rank]
         self._barrier()  # every rank's buffer holds its input
-        acc = mine[lo:hi]
+        acc = copies[rank][lo:hi]
         for r in range(world):
             if r != rank:
                 acc.add_(copies[r][lo:hi])
-        self._barrier()  # every part is summed, in its owner's buffer
         for r in range(world):
             if r != rank:
-                mine[bounds[r] : bounds[r + 1]].copy_(copies[r][bounds[r] : bounds[r + 1]])
-        # No rank may write its buffer again (the next step's gradients) while a peer still
-        # copies from it.
-        self._barrier()
+                copies[r][lo:hi].copy_(acc)
+        self._barrier()  # every buffer holds every part's sum
 
     def _bounds(self, x: torch.Tensor) -> list[int]:
         """Part r of ``x`` is ``[bounds[r], bounds[r + 1])``, cut at cache-line multiples."""
@@ -352,19 +366,12 @@ class ShmComm:
         return [min(n, (n * r // world) // step * step) for r in range(world)] + [n]
 
     def _barrier(self) -> None:
+        self._arrivals[self.rank].value += 1
         for sem in self._others:
             sem.release()
-        need = self.world_size - 1
-        mine = self._mine
-        if self.spin > 0:
-            stop = time.perf_counter() + self.spin
-            while need:
-                if mine.acquire(False):
-                    need -= 1
-                elif time.perf_counter() < stop:
-                    os.sched_yield()
-                else:
-                    break
+        mine, waiter = self._mine, self._waiter
+        start = waiter.start()
+        need = waiter.poll(self.world_size - 1)
         deadline = time.monotonic() + self.timeout
         while need:
             if mine.acquire(True, _SLICE):
@@ -381,8 +388,16 @@ class ShmComm:
                         "in a shared-memory all-reduce"
                     )
             if time.monotonic() > deadline:
-                raise PeerTimeout(
-                    f"rank {self.rank} waited more than {self.timeout:g} s for the other ranks in "
-                    "a shared-memory all-reduce; is a worker stuck, or did the ranks issue "
-                    "different collectives?"
-                )
+                raise self._hang()
+        waiter.done(start)
+
+    def _hang(self) -> TimeoutError:
+        """The error of a waiter that gave up: names the ranks behind it, if any are."""
+        mine = self._arrivals[self.rank].value
+        behind = [(r, pid, True) for r, pid in self._peers if self._arrivals[r].value < mine]
+        if behind:
+            return hang_error(self.rank, behind, self.timeout, "a shared-memory all-reduce")
+        return TimeoutError(
+            f"rank {self.rank} waited more than {self.timeout:g} s for the other ranks in "
+            "a shared-memory all-reduce; did the ranks issue different collectives?"
+        )

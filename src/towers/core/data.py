@@ -26,6 +26,7 @@ __all__ = [
     "batch_len",
     "batches_per_epoch",
     "global_batches",
+    "is_dataset",
     "num_samples",
     "take",
 ]
@@ -169,10 +170,17 @@ class BatchCache:
         return self.cache[step]
 
 
-def take(data: Any, indices: torch.Tensor) -> Any:
-    """The samples at ``indices``: tensors indexed, or a Dataset's items collated."""
-    if isinstance(data, Dataset) and not isinstance(data, (torch.Tensor, tuple, list, Mapping)):
-        return default_collate([data[i] for i in indices.tolist()])
+def is_dataset(data: Any) -> bool:
+    """Whether ``data`` is a map-style Dataset (its samples are fetched and collated)."""
+    return isinstance(data, Dataset) and not isinstance(data, (torch.Tensor, tuple, list, Mapping))
+
+
+def take(data: Any, indices: torch.Tensor, collate_fn: Any = None) -> Any:
+    """The samples at ``indices``: tensors indexed, or a Dataset's items collated (with
+    ``collate_fn``, DataLoader's ``default_collate`` if ``None``)."""
+    if is_dataset(data):
+        collate = default_collate if collate_fn is None else collate_fn
+        return collate([data[i] for i in indices.tolist()])
     return map_batch(
         lambda t: torch.from_numpy(t[indices.numpy()]) if isinstance(t, np.ndarray) else t[indices],
         data,

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from .messages import shorten
+
 Batch = TypeVar("Batch")
 
 __all__ = ["batch_size", "concat", "leaves", "map_batch", "shard_bounds", "shard_sizes", "split"]
@@ -82,7 +84,7 @@ def batch_size(batch: Any) -> int:
             )
         sizes[path] = leaf.shape[0]
     if len(set(sizes.values())) > 1:
-        listing = ", ".join(f"{p}: {s}" for p, s in sizes.items())
+        listing = shorten(", ".join(f"{p}: {s}" for p, s in sizes.items()), 200)
         raise ValueError(f"tensors in a batch must share their dim-0 size; got {listing}")
     return next(iter(sizes.values()))
 

@@ -9,16 +9,23 @@ that says so, instead of a ``KeyError`` somewhere later. Files of version 1 (bef
 had a kind) are read and upgraded.
 
 Writes go to a temporary file in the same directory, are flushed to disk, then renamed over the
-final name, so a crash never leaves a half-written checkpoint under a real name. Files are read
-with ``torch.load(weights_only=True)``, which refuses to unpickle arbitrary objects: a checkpoint
-cannot run code. The newest two are kept; if the newest cannot be read, the previous one is used,
-with a warning.
+final name, so a crash never leaves a half-written checkpoint under a real name; temporary files
+left by a killed writer are removed when the next run starts (:func:`prepare_directory`). Every
+file carries ``sha256``, a digest of its content (every tensor's bytes, dtype and shape, every
+plain value), checked when it is read: a flipped bit on disk is found, not trained on. The file
+stays a plain ``torch.save`` dict, so ``torch.load`` still opens it. Files are read with
+``torch.load(weights_only=True)``, which refuses to unpickle arbitrary objects: a checkpoint cannot
+run code. The newest two are kept; if the newest cannot be read, the previous one is used, with a
+warning naming both.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -28,7 +35,17 @@ import torch
 
 from ..core.messages import first_line
 
-__all__ = ["KINDS", "VERSION", "checkpoint_files", "load_latest", "save"]
+__all__ = [
+    "KINDS",
+    "VERSION",
+    "checkpoint_files",
+    "digest",
+    "estimate_bytes",
+    "load_latest",
+    "prepare_directory",
+    "save",
+    "save_or_warn",
+]
 
 VERSION = 2
 KINDS = {
@@ -37,7 +54,83 @@ KINDS = {
     "loop": "an own training loop (Context.save_checkpoint)",
 }
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+_TMP = ".tmp-"
 KEEP = 2
+
+
+def digest(state: Any) -> str:
+    """sha256 of a checkpoint's content: tensors by dtype, shape and bytes; plain values by repr."""
+    h = hashlib.sha256()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            h.update(f"D{len(value)}".encode())
+            for key in sorted(value, key=lambda k: (type(k).__name__, repr(k))):
+                walk(key)
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            h.update(f"{type(value).__name__[0]}{len(value)}".encode())
+            for item in value:
+                walk(item)
+        else:
+            h.update(f"V{type(value).__name__}:{value!r};".encode())
+
+    walk(state)
+    return h.hexdigest()
+
+
+def estimate_bytes(model: torch.nn.Module, samples: int) -> int:
+    """About how large one checkpoint of ``model`` trained on ``samples`` samples will be.
+
+    The parameters and buffers, twice the parameters again for the optimizer (Adam keeps two
+    moments; SGD with momentum one), the data position (one permutation of the samples), and
+    64 KiB for the rest (RNG states, the record).
+    """
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return 3 * params + buffers + 8 * samples + 64 * 1024
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
+
+
+def prepare_directory(directory: str | os.PathLike[str], need_bytes: int) -> None:
+    """Make sure a checkpoint can be written to ``directory`` before training starts.
+
+    Creates it, removes temporary files a killed writer left, writes and removes a probe file,
+    and checks that ``need_bytes`` (one more checkpoint) fit on its file system.
+
+    Raises:
+        OSError: naming the directory, the problem and the fix.
+    """
+    root = Path(directory)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"{_TMP}*"):
+            stale.unlink(missing_ok=True)
+        fd, probe = tempfile.mkstemp(dir=root, prefix=_TMP, suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise type(exc)(
+            exc.errno,
+            f"cannot write checkpoints to {root}: {exc.strerror}; make it writable or choose "
+            "another checkpoint= directory",
+        ) from None
+    free = shutil.disk_usage(root).free
+    if free < need_bytes:
+        raise OSError(
+            28,  # ENOSPC
+            f"the checkpoint directory {root} has {_size(free)} free; one checkpoint needs "
+            f"about {_size(need_bytes)} (parameters, optimizer state, data position): free some "
+            "space or choose another checkpoint= directory",
+        )
 
 
 def checkpoint_files(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -58,13 +151,18 @@ def save(directory: str | os.PathLike[str], step: int, kind: str, payload: dict[
     header = {"format": "towers", "version": VERSION, "kind": kind, "step": step}
     assert kind in KINDS and not set(header) & set(payload), (kind, sorted(payload))
     state = header | payload
+    state["sha256"] = digest(state)
+    # Serialise in memory first: a full disk then fails in a plain write with ENOSPC, not deep
+    # in torch's zip writer ("unexpected pos").
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}.pt"
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-", suffix=".pt")
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=_TMP, suffix=".pt")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -79,6 +177,29 @@ def save(directory: str | os.PathLike[str], step: int, kind: str, payload: dict[
     for _, old in checkpoint_files(root)[KEEP:]:
         old.unlink(missing_ok=True)
     return final
+
+
+def save_or_warn(
+    directory: str | os.PathLike[str], step: int, kind: str, payload: dict[str, Any]
+) -> Path | None:
+    """:func:`save`, but a failed write (full disk, a directory gone read-only) only warns.
+
+    Training goes on with its state in memory, and its result is returned as usual; only a
+    resume would start from an older checkpoint, which the warning names.
+    """
+    try:
+        return save(directory, step, kind, payload)
+    except OSError as exc:
+        files = checkpoint_files(directory)
+        previous = f"the newest saved one is {files[0][1]}" if files else "none was saved"
+        warnings.warn(
+            f"checkpoint of step {step} could not be written to {directory} ({first_line(exc)}); "
+            f"training goes on and its result is kept in memory, but a resume would start from "
+            f"an older checkpoint ({previous})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
@@ -102,9 +223,14 @@ def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read(path: Path, step: int) -> dict[str, Any]:
+    if path.stat().st_size == 0:
+        raise ValueError("the file is empty (0 bytes)")
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict):
         raise ValueError("not a towers checkpoint (not a dict)")
+    expected = state.pop("sha256", None)  # files written before checksums have none
+    if expected is not None and digest(state) != expected:
+        raise ValueError("its content does not match its sha256 checksum: the file is corrupt")
     state = _upgrade(state)
     if state.get("step") != step:
         raise ValueError(f"not a towers checkpoint (it says step {state.get('step')!r})")
@@ -133,12 +259,14 @@ def load_latest(directory: str | os.PathLike[str], kind: str) -> dict[str, Any] 
             state = _read(path, step)
         except Exception as exc:
             problems.append(f"{path.name}: {first_line(exc)}")
+            continue
+        if problems:
             warnings.warn(
-                f"checkpoint {path} cannot be read ({problems[-1]}); trying the previous one",
+                f"checkpoint {files[0][1]} cannot be read ({'; '.join(problems)}); "
+                f"resuming from the previous one, {path}",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            continue
         if state["kind"] != kind:
             raise ValueError(
                 f"the checkpoint directory {directory} holds checkpoints of "
@@ -147,6 +275,11 @@ def load_latest(directory: str | os.PathLike[str], kind: str) -> dict[str, Any] 
             )
         return state
     if files:
+        warnings.warn(
+            f"checkpoints in {directory} cannot be read ({'; '.join(problems)})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         raise RuntimeError(
             f"no checkpoint in {directory} can be read: {'; '.join(problems)}. Remove the "
             "directory to start over, or point checkpoint= elsewhere"

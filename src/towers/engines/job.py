@@ -15,9 +15,18 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..core.data import batches_per_epoch, num_samples
 from ..core.modes import Mode
 
-__all__ = ["EngineResult", "Job", "LossFn", "OptimizerFactory", "ScheduleFactory"]
+__all__ = [
+    "CollateFn",
+    "EngineResult",
+    "EvalFn",
+    "Job",
+    "LossFn",
+    "OptimizerFactory",
+    "ScheduleFactory",
+]
 
 
 class LossFn(Protocol):
@@ -26,6 +35,13 @@ class LossFn(Protocol):
     def __call__(self, model: nn.Module, shard: Any, /) -> torch.Tensor: ...
 
 
+class EvalFn(Protocol):
+    """``eval_fn(model, batch) -> {name: value}``: each metric's mean over the batch."""
+
+    def __call__(self, model: nn.Module, batch: Any, /) -> dict[str, Any]: ...
+
+
+CollateFn = Callable[[list[Any]], Any]
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 ScheduleFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
@@ -59,11 +75,24 @@ class Job:
     straggle: dict[int, float] = field(default_factory=dict)  # tower -> slowdown factor
     transport: str | None = None
     elastic: bool = False  # sync: survive lost workers (the caller supervises them)
+    eval_data: Any = None  # evaluated every eval_every global batches and at the end
+    eval_fn: EvalFn | None = None  # None: {"loss": loss_fn(model, batch)}
+    eval_every: int | None = None
+    lr_interval: str = "step"  # the schedule steps once per global batch, or per epoch
+    collate_fn: CollateFn | None = None  # a Dataset's samples into a batch; None: DataLoader's
+    num_workers: int = 0  # data-loading processes per tower
+    sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (engines/syncbn.py)
 
     @property
     def asynchronous(self) -> bool:
         """Whether a parameter server (one more process, rank 0) runs the job."""
         return self.mode.name != "sync"
+
+    def scheduled(self, done: int) -> int:
+        """How many times the schedule has stepped once ``done`` global batches are complete."""
+        if self.lr_interval == "step":
+            return done
+        return done // batches_per_epoch(num_samples(self.data), self.batch_size)
 
 
 @dataclass
@@ -84,3 +113,4 @@ class EngineResult:
     dead_workers: list[int] = field(default_factory=list)
     world: list[int] = field(default_factory=list)  # sync: towers that computed each step
     recoveries: list[tuple[int, float]] = field(default_factory=list)  # (step, seconds)
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)

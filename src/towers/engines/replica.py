@@ -11,15 +11,15 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..core.data import take
 from ..core.split import map_batch, split
+from .fetch import load
 from .job import Job
 
 __all__ = ["Replica", "backward_shard", "backward_weighted", "check_loss", "cpu_state"]
@@ -74,13 +74,15 @@ def backward_shard(
     *,
     before_last: Callable[[], None] | None = None,
     slow: float = 1.0,
+    fetch: Callable[[list[torch.Tensor]], Iterable[Any]] | None = None,
 ) -> tuple[float, int]:
     """Backpropagate the samples at ``indices`` in ``job.accumulate`` micro-batches.
 
     ``before_last`` runs before the last micro-batch's backward (the sync engine arms its
     gradient hooks there, so that averaging overlaps that backward). ``slow > 1`` stretches the
     shard to ``slow`` times its compute time, for straggler experiments; the hooks are then not
-    armed, so that the sleep comes before any communication.
+    armed, so that the sleep comes before any communication. ``fetch`` turns the micro-batches'
+    indices into batches (default: :func:`~towers.engines.fetch.load`).
 
     Returns:
         ``(loss sum, samples)`` over the shard; the loss sum is ``nan`` if a loss was not finite.
@@ -88,10 +90,11 @@ def backward_shard(
     micro = [m for m in split(indices, job.accumulate) if len(m)]
     began = time.perf_counter()
     loss_sum, samples = 0.0, 0
-    for i, m in enumerate(micro):
+    batches = load(job, job.data, micro) if fetch is None else fetch(micro)
+    for i, (m, batch) in enumerate(zip(micro, batches, strict=True)):
         if before_last is not None and i == len(micro) - 1 and slow <= 1.0:
             before_last()
-        loss = job.loss_fn(model, to_device(take(job.data, m), device))
+        loss = job.loss_fn(model, to_device(batch, device))
         check_loss(loss)
         loss_sum += backward_weighted(loss, len(m))
         samples += len(m)
@@ -122,7 +125,7 @@ class Replica:
         return cls(model, opt, schedule)
 
     def schedule_to(self, count: int) -> None:
-        """Step the schedule until it has been stepped ``count`` times (once per global batch)."""
+        """Step the schedule until it has been stepped ``count`` times (see ``Job.scheduled``)."""
         while self.schedule is not None and self.scheduled < count:
             self.schedule.step()
             self.scheduled += 1

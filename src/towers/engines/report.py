@@ -24,6 +24,8 @@ class Reporter:
     def __init__(self, job: Job, main: bool, initial: int = 0):
         self.bar = None
         self.writer = None
+        self.shown: dict[str, str] = {}  # the last step's loss and rate
+        self.last_eval: dict[str, str] = {}  # shown beside the loss until the next evaluation
         if not main:
             return
         if job.progress and sys.stderr.isatty():
@@ -46,7 +48,8 @@ class Reporter:
     ) -> None:
         """Global batch ``step`` is complete; ``tower_losses``: all, or ``{tower: loss}``."""
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4g}", samples_s=f"{rate:.0f}", refresh=False)
+            self.shown = {"loss": f"{loss:.4g}", "samples_s": f"{rate:.0f}"}
+            self.bar.set_postfix(**self.shown, **self.last_eval, refresh=False)
             self.bar.update(1)
         if self.writer is not None:
             self.writer.add_scalar("loss/mean", loss, step)
@@ -58,6 +61,15 @@ class Reporter:
             for i, value in towers:
                 self.writer.add_scalar(f"loss/tower_{i}", value, step)
             self.writer.add_scalar("samples_per_second", rate, step)
+
+    def evaluated(self, done: int, metrics: Mapping[str, float]) -> None:
+        """An evaluation after ``done`` global batches (TensorBoard: ``eval/NAME`` at ``done``)."""
+        self.last_eval = {f"eval_{name}": f"{value:.4g}" for name, value in metrics.items()}
+        if self.bar is not None:
+            self.bar.set_postfix(**self.shown, **self.last_eval, refresh=True)
+        if self.writer is not None:
+            for name, value in metrics.items():
+                self.writer.add_scalar(f"eval/{name}", value, done)
 
     def staleness(self, update: int, value: int) -> None:
         """The asynchronous modes' staleness of update number ``update``."""

@@ -35,6 +35,8 @@ import torch.distributed as dist
 from ..comm.membership import key
 from ..comm.net import DEFAULT_ADDR, free_port
 from .env import cpu_count, describe_exit, worker_env
+from .lifeline import die_with_parent
+from .pack import pack
 from .spawn import WorkerError, _context, _failure, _worker_main
 
 __all__ = ["ELASTIC_ENV", "HANG_SECONDS", "ElasticOutcome", "run_script_elastic", "supervise"]
@@ -280,11 +282,14 @@ def supervise(
         Exception: what a worker raised.
     """
     ctx = _context()
+    packed = {False: pack((fn, (*args, False)))}  # one shared buffer for every tensor
 
     def start(wid: int, joining: bool, env: dict[str, str]) -> _Forked:
+        if joining not in packed:
+            packed[joining] = pack((fn, (*args, joining)))
         recv, send = ctx.Pipe(duplex=False)
-        job = (fn, env, send, (*args, joining))
-        p = ctx.Process(target=_worker_main, args=job, daemon=True)
+        # Not daemonic, as in spawn: a worker may start DataLoader processes of its own.
+        p = ctx.Process(target=_worker_main, args=(env, send, packed[joining]), daemon=False)
         p.start()
         send.close()
         return _Forked(p, recv)
@@ -343,7 +348,8 @@ def run_script_elastic(
     def start(wid: int, joining: bool, env: dict[str, str]) -> _Script:
         env = {**env, ELASTIC_ENV: "join" if joining else "1"}
         env.setdefault("OMP_NUM_THREADS", threads)
-        return _Script(subprocess.Popen([sys.executable, script, *args], env=env))
+        cmd = [sys.executable, script, *args]
+        return _Script(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))
 
     sup = _Supervisor(start, workers, max_restarts, min(HANG_SECONDS, timeout), addr, timeout)
     try:

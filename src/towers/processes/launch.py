@@ -11,8 +11,13 @@ from collections.abc import Sequence
 
 from ..comm.net import DEFAULT_ADDR, free_port
 from .env import cpu_count, describe_exit, worker_env
+from .lifeline import Terminated, die_with_parent
 
 __all__ = ["run_script"]
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated()
 
 
 def run_script(
@@ -26,7 +31,9 @@ def run_script(
 ) -> int:
     """Run ``python SCRIPT ARGS`` as ``workers`` ranks; return 0, or the first failure's code.
 
-    When one rank fails the others get ``failure_grace`` seconds, then are terminated.
+    When one rank fails the others get ``failure_grace`` seconds, then are terminated. Ranks
+    die with ``towers run`` however it dies (``PR_SET_PDEATHSIG``); on Ctrl-C or ``SIGTERM`` it
+    stops them and says so in one line.
     """
     if not os.path.isfile(script):
         raise FileNotFoundError(f"no such script: {script}")
@@ -46,12 +53,16 @@ def run_script(
                 p.kill()
                 p.wait()
 
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         for rank in range(workers):
             env = {**os.environ, **worker_env(rank, workers, addr, port)}
             env.setdefault("OMP_NUM_THREADS", threads)
-            procs.append(subprocess.Popen([sys.executable, script, *args], env=env))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, script, *args], env=env, preexec_fn=die_with_parent()
+                )
+            )
         failed_at = None
         code = 0
         while True:
@@ -68,6 +79,10 @@ def run_script(
             if failed_at is not None and time.monotonic() - failed_at > failure_grace:
                 return code
             time.sleep(0.05)
+    except KeyboardInterrupt as exc:
+        what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+        print(f"towers run: stopped by {what}; stopping every rank", file=sys.stderr)
+        return 143 if what == "SIGTERM" else 130
     finally:
         stop()
         signal.signal(signal.SIGTERM, previous)

@@ -11,6 +11,7 @@ import contextlib
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -20,8 +21,13 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..comm.hang import PeerHang
 from ..comm.net import DEFAULT_ADDR, free_port
+from ..core.args import check_timeout
 from .env import describe_exit, set_worker_threads, worker_env
+from .guard import check_main_guard
+from .lifeline import watch_caller
+from .pack import Packed, pack, unpack
 
 __all__ = ["WorkerError", "spawn"]
 
@@ -41,17 +47,16 @@ class WorkerError(RuntimeError):
 
 
 def _worker_main(
-    fn: Callable[..., Any],
-    env: dict[str, str],
-    conn: multiprocessing.connection.Connection,
-    args: tuple[Any, ...],
+    env: dict[str, str], conn: multiprocessing.connection.Connection, packed: Packed
 ) -> None:
     # The forkserver's environment is the caller's as it was when the server started: give the
     # worker the caller's environment as it is now, plus the launcher's variables.
+    watch_caller(conn.fileno())  # die with the caller, however it dies
     os.environ.clear()
     os.environ.update(env)
     set_worker_threads(int(env["LOCAL_WORLD_SIZE"]))
     try:
+        fn, args = unpack(packed)
         payload: tuple[Any, ...] = ("ok", fn(*args))
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too
         payload = ("error", exc, traceback.format_exc())
@@ -90,6 +95,8 @@ def _stop(procs: list[Any], grace: float = 3.0) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGCONT)  # a stopped process takes SIGTERM only once running
     deadline = time.monotonic() + grace
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -146,14 +153,19 @@ def spawn(
         raise TypeError(f"workers must be an int, got {type(workers).__name__}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    timeout = check_timeout(timeout)
+    check_main_guard("towers.spawn()")
     port = free_port(addr) if port is None else port
     ctx = _context()
+    packed = pack((fn, args))  # one shared buffer for every tensor, see processes/pack.py
     procs, conns = [], []
     try:
         for rank in range(workers):
             recv, send = ctx.Pipe(duplex=False)
             env = {**os.environ, **worker_env(rank, workers, addr, port)}
-            p = ctx.Process(target=_worker_main, args=(fn, env, send, args), daemon=True)
+            # Not daemonic: a worker may start processes of its own (DataLoader's num_workers),
+            # which multiprocessing refuses to a daemon; the finally below stops every worker.
+            p = ctx.Process(target=_worker_main, args=(env, send, packed), daemon=False)
             p.start()
             send.close()
             procs.append(p)
@@ -204,8 +216,15 @@ def _collect(
                 continue
             failures.append((status, _failure(rank, proc, status, rest)))
             if stop_at is None:
-                stop_at = time.monotonic() + failure_grace
+                # A rank that names a stuck peer has said all there is to say: the stuck one
+                # will not report, and waiting for it would only delay the error.
+                hang = isinstance(failures[-1][1], PeerHang)
+                stop_at = time.monotonic() + (min(0.1, failure_grace) if hang else failure_grace)
         now = time.monotonic()
+        if stop_at is None and pending and set(pending) <= tolerate and len(results) > 0:
+            # Every rank that counts has returned; a tolerated one still running (a tower that
+            # hung) gets a moment, then is stopped.
+            stop_at = now + min(1.0, failure_grace)
         if deadline is not None and now >= deadline and pending:
             raise TimeoutError(
                 f"workers {sorted(pending)} did not finish within {timeout} s; all were stopped"
@@ -217,7 +236,7 @@ def _collect(
         # peer"), and their errors may arrive first: the death is the cause to report.
         died = [exc for status, exc in failures if status == "died"]
         raise died[0] if died else failures[0][1]
-    return [results[r] for r in range(len(procs))]
+    return [results.get(r) for r in range(len(procs))]
 
 
 def _failure(rank: int, proc: Any, status: str, rest: list[Any]) -> BaseException:

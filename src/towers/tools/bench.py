@@ -2,7 +2,8 @@
 
 Every arm trains the same model on the same global batches (synthetic data, fixed seed) and is
 timed after a warm-up; each repeat runs every arm once, in a rotated order, so that load from
-other processes hits all arms alike; the report gives medians. Arms:
+other processes hits all arms alike; the report gives medians. ``load`` (``--load K``) runs K
+CPU-spinning processes beside the whole run, as on a machine others use. Arms:
 
 - ``single-1t``, ``single-Nt``: one process, the whole global batch, 1 and N threads;
 - ``floor``: N processes, each training on its shard alone — no averaging, the bound any
@@ -40,9 +41,12 @@ from torch import nn
 from ..api.context import init
 from ..api.train import train
 from ..comm.group import init_process_group
+from ..core.messages import first_line
 from ..core.split import split
 from ..processes.env import cpu_count
 from ..processes.spawn import spawn
+from .load import busy
+from .startup import in_fresh_process
 from .zoo import CNN, cross_entropy, mlp
 
 __all__ = ["BenchConfig", "run"]
@@ -80,6 +84,8 @@ class BenchConfig:
     sweep_bytes: Sequence[int] = tuple(SWEEP_BYTES)
     sweep_seconds: float = 0.15  # per size and transport, at most (a few calls at least)
     timeout: float = 60.0
+    load: int = 0  # CPU-spinning processes running beside every arm (tools/load.py)
+    startup: bool = False  # also time start-up: first and later calls (tools/startup.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -291,7 +297,19 @@ def _median(values: list[Any]) -> float | str:
 
 
 def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Measure every arm and the sweep; return the results as a JSON-ready dict."""
+    """Measure every arm and the sweep, with ``cfg.load`` busy processes beside them.
+
+    Returns the results as a JSON-ready dict.
+    """
+    with busy(cfg.load):
+        results = _run(cfg, log)
+        if cfg.startup:
+            log("start-up: timing first and later calls in a fresh interpreter")
+            results["startup"] = in_fresh_process(cfg.workers)
+        return results
+
+
+def _run(cfg: BenchConfig, log: Callable[[str], None]) -> dict[str, Any]:
     arms = list(cfg.arms)
     if "towers-shm" in arms:
         arms += [f"towers-shm@{m:g}MiB" for m in cfg.bucket_mib]
@@ -306,7 +324,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
                 try:
                     value = _arm(name, arm, cfg)
                 except Exception as exc:  # one failed run (a port taken, a timeout) is a gap
-                    value = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                    value = f"failed: {first_line(exc)}"
                 raw[name][arm].append(value)
                 shown = f"{value * 1e3:.2f} ms/step" if isinstance(value, float) else value
                 log(f"repeat {rep + 1}/{cfg.repeats} {name:<4} {arm:<20} {shown}")

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .startup import table as startup_table
+
 __all__ = ["table", "write"]
 
 
@@ -13,28 +15,42 @@ def _f(value: Any, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+ARM_LEGEND = {
+    "single-1t": "one process, the whole global batch, 1 thread",
+    "single-Nt": "one process, the whole global batch, N threads (N = workers, at most the cores)",
+    "floor": "N processes, each training on its shard with no averaging at all: the fastest "
+    "any data-parallel arm could go",
+    "ddp": "PyTorch's DistributedDataParallel over Gloo, the same shards",
+    "towers-gloo": "towers' synchronous step, averaging over Gloo (loopback TCP)",
+    "towers-shm": "towers' synchronous step, averaging through shared memory (the default on "
+    "one host); @1MiB, @25MiB: other gradient bucket sizes (default 4 MiB)",
+    "towers-async": "towers.train(mode='async'): a parameter server and N workers; time per "
+    "global batch",
+    "towers-nccl": "towers' synchronous step on NCCL, one GPU per worker",
+}
+
+
 def table(results: dict[str, Any]) -> str:
-    """The step-time table of every model, then the sweep, as plain text."""
+    """The step-time table of every model with a legend, then the sweep, as plain text."""
     cfg, machine = results["config"], results["machine"]
     n = cfg["workers"]
+    load = cfg.get("load", 0)
+    beside = f"{load} busy process{'es' if load != 1 else ''} (a CPU spin loop each)"
     lines = [
         f"towers bench: {n} workers, {cfg['steps']} timed steps after {cfg['warmup']} warm-up, "
-        f"median of {cfg['repeats']} interleaved repeats; {machine['cores']} cores, torch "
-        f"{machine['torch']}, load average at the end {machine['load_average'][0]:.2f}",
+        f"median of {cfg['repeats']} repeats; {machine['cores']} cores, torch {machine['torch']}",
+        f"running beside it: {beside if load else 'nothing started by the benchmark'}; "
+        f"load average at the end {machine['load_average'][0]:.2f}",
     ]
     if "load_at_repeats" in machine:
         loads = " ".join(f"{v:.2f}" for v in machine["load_at_repeats"])
         lines.append(f"1-minute load average as each repeat started: {loads}")
-    lines.append(
-        "vs DDP, vs 1p-Nt: ratio of the medians; paired: median of the ratios within each "
-        "repeat (steadier under load from other processes); 1p-Nt: one process, N threads"
-    )
     for name, model in results["models"].items():
         lines += [
             "",
             f"{name}: global batch {model['global_batch']}, {model['parameters']:,} parameters",
-            f"{'arm':<22}{'ms/step':>10}{'samples/s':>12}{'scaling':>9}{'vs DDP':>8}"
-            f"{'paired':>8}{'vs 1p-Nt':>10}{'paired':>8}   runs (ms)",
+            f"{'arm':<22}{'ms/step':>10}{'samples/s':>12}{'scaling':>9}{'x DDP':>8}"
+            f"{'x 1 proc':>10}   each repeat (ms)",
         ]
         for row in model["arms"]:
             if "skipped" in row:
@@ -43,34 +59,60 @@ def table(results: dict[str, Any]) -> str:
             runs = " ".join(_f(r, ".1f") if isinstance(r, float) else "?" for r in row["runs_ms"])
             lines.append(
                 f"{row['arm']:<22}{row['ms_per_step']:>10.2f}{row['samples_per_s']:>12.0f}"
-                f"{_f(row['scaling_efficiency'], '.0%'):>9}{_f(row['vs_ddp'], '.2f'):>8}"
-                f"{_f(row['vs_ddp_paired'], '.2f'):>8}{_f(row['vs_single_nt'], '.2f'):>10}"
-                f"{_f(row['vs_single_nt_paired'], '.2f'):>8}   {runs}"
+                f"{_f(row['scaling_efficiency'], '.0%'):>9}{_f(row['vs_ddp_paired'], '.2f'):>8}"
+                f"{_f(row['vs_single_nt_paired'], '.2f'):>10}   {runs}"
             )
+    lines += ["", *legend(results)]
     if results["sweep"]:
-        lines += [
-            "",
-            f"all-reduce of float32 messages over {n} workers (median time per call; "
-            "busbw = algbw * 2(n-1)/n)",
-            f"{'size':>9}{'gloo us':>9}{'bus':>7}{'shm us':>9}{'bus':>7}{'lent us':>9}{'bus':>7}"
-            f"{'memcpy':>8}{'shm/mc':>8}{'lent/mc':>8}",
-        ]
-        for row in results["sweep"]:
-            mc = row.get("memcpy_gbps")
-            cells = [f"{_size(row['bytes']):>9}"]
-            for kind in ("gloo", "shm", "shm_lent"):
-                cells.append(f"{_f(row.get(f'{kind}_us'), '.1f'):>9}")
-                cells.append(f"{_f(row.get(f'{kind}_busbw_gbps'), '.2f'):>7}")
-            cells.append(f"{_f(mc, '.2f'):>8}")
-            for kind in ("shm", "shm_lent"):
-                bus = row.get(f"{kind}_busbw_gbps")
-                cells.append(f"{_f(bus / mc if bus and mc else None, '.0%'):>8}")
-            lines.append("".join(cells))
-        lines.append(
-            "(bandwidths in GB/s; shm: the caller's tensor, copied in and out; lent: a buffer "
-            "from ShmComm.buffer, summed in place, as the engine's buckets are; mc: memcpy)"
-        )
+        lines += ["", *_sweep_table(results)]
+    if "startup" in results:
+        lines += ["", *startup_table(results["startup"])]
     return "\n".join(lines)
+
+
+def legend(results: dict[str, Any]) -> list[str]:
+    """What the step table's columns and arms mean, in plain words."""
+    arms = {row["arm"].partition("@")[0] for m in results["models"].values() for row in m["arms"]}
+    lines = [
+        "ms/step: milliseconds per global batch, the median over the repeats",
+        "samples/s: global batch / ms/step",
+        "scaling: single-1t's time / (processes x this arm's time); 100% = N processes are N "
+        "times as fast as one",
+        "x DDP: this arm's time divided by DDP's time in the same repeat (so both saw the same "
+        "machine load), median over the repeats; below 1 = faster than DDP",
+        "x 1 proc: the same, against single-Nt",
+        "each repeat: the arm's time in each repeat (arms run in a rotated order per repeat)",
+    ]
+    lines += [f"{arm}: {text}" for arm, text in ARM_LEGEND.items() if arm in arms]
+    return lines
+
+
+def _sweep_table(results: dict[str, Any]) -> list[str]:
+    n = results["config"]["workers"]
+    lines = [
+        f"all-reduce of float32 messages over {n} workers (median time per call; "
+        "bus = bus bandwidth, size / time x 2(n-1)/n, as nccl-tests define it)",
+        f"{'size':>9}{'gloo us':>9}{'bus':>7}{'shm us':>9}{'bus':>7}{'lent us':>9}{'bus':>7}"
+        f"{'memcpy':>8}{'shm/mc':>8}{'lent/mc':>8}",
+    ]
+    for row in results["sweep"]:
+        mc = row.get("memcpy_gbps")
+        cells = [f"{_size(row['bytes']):>9}"]
+        for kind in ("gloo", "shm", "shm_lent"):
+            cells.append(f"{_f(row.get(f'{kind}_us'), '.1f'):>9}")
+            cells.append(f"{_f(row.get(f'{kind}_busbw_gbps'), '.2f'):>7}")
+        cells.append(f"{_f(mc, '.2f'):>8}")
+        for kind in ("shm", "shm_lent"):
+            bus = row.get(f"{kind}_busbw_gbps")
+            cells.append(f"{_f(bus / mc if bus and mc else None, '.0%'):>8}")
+        lines.append("".join(cells))
+    lines.append(
+        "(bandwidths in GB/s; shm: the caller's own tensor, copied into shared memory and back; "
+        "lent: a tensor that already lives in shared memory (a buffer the transport hands out, "
+        "where towers packs its gradient buckets), summed in place; mc: a one-thread memcpy of "
+        "the same size)"
+    )
+    return lines
 
 
 def _size(nbytes: int) -> str:
@@ -90,23 +132,26 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     sweep = results["sweep"]
     sizes = [row["bytes"] for row in sweep]
     fig, (bw, lat) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, label, style in (
-        ("memcpy_gbps", "memcpy, 1 thread", ":"),
-        ("shm_lent_busbw_gbps", "towers shm, lent buffer (busbw)", "-"),
-        ("shm_busbw_gbps", "towers shm, own tensor (busbw)", "-."),
-        ("gloo_busbw_gbps", "Gloo (busbw)", "--"),
-    ):
-        if all(key in row for row in sweep):
-            bw.plot(sizes, [row[key] for row in sweep], style, marker="o", label=label)
-    for key, label, style in (
-        ("shm_lent_us", "towers shm, lent buffer", "-"),
-        ("shm_us", "towers shm, own tensor", "-."),
-        ("gloo_us", "Gloo", "--"),
-    ):
-        if all(key in row for row in sweep):
-            lat.plot(sizes, [row[key] for row in sweep], style, marker="o", label=label)
+    # One colour and line style per series, the same in both panels.
+    series = {
+        "memcpy": ("memcpy, 1 thread", ":", "tab:gray"),
+        "shm_lent": ("towers shm, gradients already in shared memory", "-", "tab:blue"),
+        "shm": ("towers shm, caller's tensor copied in and out", "-.", "tab:green"),
+        "gloo": ("Gloo (loopback TCP)", "--", "tab:red"),
+    }
+    for kind, (label, style, colour) in series.items():
+        bw_key = "memcpy_gbps" if kind == "memcpy" else f"{kind}_busbw_gbps"
+        if all(bw_key in row for row in sweep):
+            values = [row[bw_key] for row in sweep]
+            bw.plot(sizes, values, style, color=colour, marker="o", label=label)
+        if kind != "memcpy" and all(f"{kind}_us" in row for row in sweep):
+            values = [row[f"{kind}_us"] for row in sweep]
+            lat.plot(sizes, values, style, color=colour, marker="o", label=label)
     n = results["config"]["workers"]
-    for ax, ylabel in ((bw, "GB/s"), (lat, "microseconds per all-reduce")):
+    for ax, ylabel in (
+        (bw, "GB/s (memcpy: bytes / time; all-reduce: bus bandwidth)"),
+        (lat, "microseconds per all-reduce"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("message size (bytes)")

@@ -96,15 +96,15 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench_report import table, write
 
     options: dict = {"workers": args.workers}
-    for key, least in (("steps", 1), ("warmup", 0), ("repeats", 1)):
+    for key, least in (("steps", 1), ("warmup", 0), ("repeats", 1), ("load", 0)):
         value = getattr(args, key)
         if value is not None and value < least:
             print(f"towers bench: --{key} must be >= {least}, got {value}", file=sys.stderr)
             return 2
         if value is not None:
             options[key] = value
-    if args.models:
-        options["models"] = tuple(args.models.split(","))
+    if args.models is not None:  # "" times no model (e.g. with --startup alone)
+        options["models"] = tuple(m for m in args.models.split(",") if m)
     if args.arms:
         unknown = set(args.arms.split(",")) - set(ARMS)
         if unknown:
@@ -115,6 +115,8 @@ def _bench(args: argparse.Namespace) -> int:
         options["bucket_mib"] = tuple(float(b) for b in args.buckets.split(",") if b)
     if args.no_sweep:
         options["sweep_bytes"] = ()
+    if args.startup:
+        options["startup"] = True
     cfg = quick(**options) if args.quick else BenchConfig(**options)
     results = run(cfg, log=lambda line: print(line, flush=True))
     paths = write(results, Path(args.out))
@@ -140,6 +142,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--repeats", type=int, default=None, help="interleaved repeats (3)")
     bench.add_argument(
         "--buckets", default=None, help="extra towers-shm bucket sizes in MiB (default 1,25)"
+    )
+    bench.add_argument(
+        "--load",
+        type=int,
+        default=None,
+        metavar="K",
+        help="start K CPU-spinning processes beside every arm, as on a busy machine (0)",
+    )
+    bench.add_argument(
+        "--startup",
+        action="store_true",
+        help="also time start-up: towers.train and towers run, first and later calls",
     )
     bench.add_argument("--no-sweep", action="store_true", help="skip the all-reduce sweep")
     bench.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
@@ -189,14 +203,20 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train the parabola with 1 and N local workers")
     demo.add_argument("-n", "--workers", type=int, default=4, help="workers (default 4)")
-    demo.add_argument("--steps", type=int, default=2000, help="global batches (default 2000)")
+    demo.add_argument("--steps", type=int, default=1000, help="global batches (default 1000)")
     demo.add_argument(
         "--async-steps",
         type=int,
-        default=500,
-        help="global batches for the asynchronous rows (default 500)",
+        default=200,
+        help="global batches for the asynchronous rows (default 200)",
     )
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--speed-steps",
+        type=int,
+        default=10,
+        help="global batches of the speed comparison on an MLP; 0 skips it (default 10)",
+    )
     demo.add_argument(
         "--out", default=DEMO_OUT, help="PNG of the loss curves (default %(default)s)"
     )

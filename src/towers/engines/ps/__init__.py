@@ -5,6 +5,10 @@ schedule, and computes nothing); ranks 1..workers are the computing towers, towe
 ``workers`` in :func:`towers.train` counts computing towers, so a local run starts
 ``workers + 1`` processes, and a launched run (``torchrun``) needs ``WORLD_SIZE = workers + 1``.
 See docs/async.md for the protocol, each mode's semantics and the measurements behind them.
+
+Messages go through shared memory when every rank runs on one host
+(:class:`~towers.comm.mailbox.ShmPointToPoint`: memory copies instead of loopback TCP), and over
+Gloo point-to-point otherwise, or with ``transport="gloo"``.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...comm.base import DistComm
-from ...comm.group import Connection
+from ...comm.base import DistComm, PointToPoint
+from ...comm.group import DEFAULT_TIMEOUT, Connection, check_transport
+from ...comm.mailbox import ShmPointToPoint
+from ...comm.segment import ShmUnavailable
 from ...processes.env import set_process_name
 from ..broadcast import verify_same_model
 from ..job import EngineResult, Job
@@ -41,15 +47,30 @@ def run_ps(job: Job, conn: Connection, resume: dict[str, Any] | None) -> EngineR
     verify_same_model(job.model, comm)
     layout = Layout(job.model)
     towers = world - 1
+    link = _messages(job, comm, layout.size)
     comm.barrier()
     if rank == 0:
         set_process_name("towers-server")
-        server = Server(job, ServerLink(comm, layout, towers), layout, towers, conn.device, resume)
+        server = Server(job, ServerLink(link, layout, towers), layout, towers, conn.device, resume)
         result = server.run()
         if job.every_rank:
             for t in sorted(set(range(towers)) - set(result.dead_workers)):
                 comm.send_object(result, t + 1)
         return result
     set_process_name(f"towers-tower{rank - 1}")
-    work(WorkerLink(comm, layout), job, rank - 1, towers, conn.device)
+    work(WorkerLink(link, layout), job, rank - 1, towers, conn.device)
     return comm.recv_object(0) if job.every_rank else None
+
+
+def _messages(job: Job, comm: DistComm, size: int) -> PointToPoint:
+    """Shared memory between the server and its workers on one host, else ``comm`` (Gloo)."""
+    transport = check_transport(job.transport)
+    if transport not in ("auto", "shm"):
+        return comm
+    timeout = DEFAULT_TIMEOUT if job.timeout is None else job.timeout
+    try:
+        return ShmPointToPoint(comm, size, timeout=timeout)
+    except ShmUnavailable as exc:
+        if transport == "shm":
+            raise RuntimeError(f"transport='shm' is not available: {exc}") from None
+        return comm

@@ -15,7 +15,7 @@ The server saves (through :mod:`towers.engines.checkpoint`, kind ``ps``):
   which is opened anew; ``local:K``: checkpoints are taken right after an average, so the saved
   parameters hold every recorded shard, and workers restart from them (with fresh optimizers);
   ``ssp:S``: clocks restart at zero;
-- the record so far (:class:`~towers.engines.ps.state.Record`).
+- the record so far (:class:`~towers.engines.ps.state.Record`), evaluations included.
 
 A run resumes with the same number of workers: shards in flight are cut for that many.
 """
@@ -87,6 +87,7 @@ def snapshot(
             "skipped": [[k, sorted(v)] for k, v in sorted(rec.skipped.items())],
             "dropped": [list(d) for d in rec.dropped],
             "dead_workers": list(rec.dead),
+            "evals": [[done, dict(metrics)] for done, metrics in rec.evals],
             "samples": rec.samples,
             "seconds": seconds,
         },
@@ -118,6 +119,7 @@ def _record(saved: dict[str, Any], steps: int, towers: int) -> Record:
     rec.skipped = {k: list(v) for k, v in saved["skipped"]}
     rec.dropped = [(k, t) for k, t in saved["dropped"]]
     rec.dead = list(saved["dead_workers"])
+    rec.evals = [(done, dict(metrics)) for done, metrics in saved.get("evals", [])]
     rec.samples = saved["samples"]
     rec.prior_seconds = saved["seconds"]
     return rec

@@ -9,6 +9,9 @@ mode; what differs (when a request is answered, what an arriving result does) is
 policy (:mod:`towers.engines.ps.policies`). The state lives in
 :class:`~towers.engines.ps.state.ServerState`.
 
+A tower that does not answer its work within half the timeout (stopped, stuck) is treated as a
+dead one: its shard goes to the others and training goes on.
+
 A non-finite loss or gradient is never applied: the shard (backup: the step) is reported in
 ``skipped`` with the worker that computed it.
 
@@ -20,15 +23,20 @@ batches and at the end, and a server built from such a checkpoint goes on from i
 from __future__ import annotations
 
 import math
+import queue
 import time
+import warnings
 from typing import Any, cast
 
 import torch
 
+from ...comm.group import DEFAULT_TIMEOUT
 from ...core.data import batch_len, num_samples
 from ...core.split import shard_sizes
 from ...core.step import all_finite
 from .. import checkpoint
+from ..evaluate import combine, due, evaluate
+from ..fetch import Fetcher
 from ..job import EngineResult, Job
 from ..replica import Replica, cpu_state
 from ..report import Reporter
@@ -52,7 +60,7 @@ class Server:
         device: torch.device,
         state: dict[str, Any] | None = None,
     ):
-        self.job, self.link, self.layout = job, link, layout
+        self.job, self.link, self.layout, self.device = job, link, layout, device
         self.policy = make_policy(job.mode, towers)
         self.replica = Replica.build(job, device, optimizer=self.policy.server_optimizer)
         self.model = self.replica.model
@@ -60,11 +68,21 @@ class Server:
         self.state = ServerState.fresh(towers, job.steps)
         if state is not None:
             resume.restore(self.state, self.replica, state)
+            # a shorter run's evaluation at its end is not one of this run's
+            evals = self.state.record.evals
+            evals[:] = [(d, m) for d, m in evals if due(job, d)]
         # progress bar and TensorBoard: the server holds the record, so it reports
         self.reporter = Reporter(job, main=True, initial=self.state.done)
         self.first_samples = self.state.record.samples  # samples/s counts this run's only
         self.start = 0.0
         self.seconds = math.nan
+        self.evaluated_final = False
+        self.fetch = Fetcher(job)
+        # A tower that holds work this long without a word is hung, and treated as dead. Half
+        # the timeout: the towers waiting for that work must get it before their own receives
+        # (bounded by the timeout) give up.
+        self.hang_after = (DEFAULT_TIMEOUT if job.timeout is None else job.timeout) / 2
+        self.expecting: dict[int, float] = {}  # tower -> when it was sent work to answer
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -74,13 +92,21 @@ class Server:
             self._loop()
         finally:
             self.reporter.close()
+            self.fetch.close()
         self.link.close()
         return self._result()
 
     def _loop(self) -> None:
         s = self.state
         while s.live - s.byes:
-            tower, msg = self.link.get()
+            got = self._next()
+            if got is None:  # a tower hung, and was let go
+                self._serve()
+                continue
+            tower, msg = got
+            self.expecting.pop(tower, None)
+            if tower not in s.live:
+                continue  # a tower let go as hung that woke up: its messages are stale
             if msg is None:
                 self.lost(tower)
             else:
@@ -92,7 +118,29 @@ class Server:
                 else:
                     self.policy.on_result(self, tower, h, msg)
             self._serve()
+            self._maybe_evaluate()
             self._maybe_save()
+
+    def _next(self) -> tuple[int, torch.Tensor | None] | None:
+        """The next message, or ``None`` after letting go of a tower that hung."""
+        if not self.expecting:
+            return self.link.get()
+        tower, since = min(self.expecting.items(), key=lambda item: item[1])
+        try:
+            return self.link.get(timeout=max(0.0, since + self.hang_after - time.monotonic()))
+        except queue.Empty:
+            pass
+        del self.expecting[tower]
+        warnings.warn(
+            f"tower {tower} (rank {tower + 1}) has not answered for {self.hang_after:g} s (half "
+            "the timeout); it is treated as dead and its work goes to the other towers",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        self.lost(tower)
+        if self.state.live:
+            self.send(tower, Kind.STOP, payload=True)  # if it wakes up, it stops
+        return None
 
     def elapsed(self) -> float:
         """Seconds since this run's loop started (the record holds earlier runs')."""
@@ -110,6 +158,30 @@ class Server:
         for t in sorted(s.idle):
             self.policy.serve(self, t)
 
+    def _maybe_evaluate(self) -> None:
+        """Evaluate the server's parameters every ``eval_every`` global batches and at the end.
+
+        The server evaluates alone, between messages: the towers wait meanwhile. ``local:K``:
+        its parameters are those of the last average; the evaluation at the end is of the
+        final average's.
+        """
+        job, s = self.job, self.state
+        if job.eval_data is None or self.evaluated_final:
+            return
+        evals = s.record.evals
+        last = evals[-1][0] if evals else 0
+        if self.policy.finished(self):
+            self.evaluated_final = True
+            if last == s.steps:
+                if job.mode.name != "local":
+                    return
+                evals.pop()  # evaluated before the final average: evaluate its result instead
+        elif not (job.eval_every and s.done // job.eval_every > last // job.eval_every):
+            return
+        metrics = combine([evaluate(job, self.model, self.device, 0, 1, self.fetch)])
+        evals.append((s.done, metrics))
+        self.reporter.evaluated(s.done, metrics)
+
     def _maybe_save(self) -> None:
         """Checkpoint once ``checkpoint_every`` more global batches are complete, and at the end."""
         s, every = self.state, self.job.checkpoint_every
@@ -121,7 +193,7 @@ class Server:
             seconds = s.record.prior_seconds + self.elapsed()
             todo = self.policy.unapplied(self)
             payload = resume.snapshot(self.job, s, self.replica, todo, seconds)
-            checkpoint.save(self.job.checkpoint, s.done, "ps", payload)
+            checkpoint.save_or_warn(self.job.checkpoint, s.done, "ps", payload)
             s.saved = s.done
 
     # -- what the policies use -------------------------------------------------------------
@@ -157,6 +229,8 @@ class Server:
             self.layout.write_values(msg, self.model)
         self.layout.stamp(msg, kind, version=self.state.version, payload=payload, **fields)
         self.link.send(t, msg)
+        if kind in (Kind.WORK, Kind.AVERAGE):
+            self.expecting[t] = time.monotonic()
 
     def answered(self, t: int, h: Header) -> tuple[Shard, int]:
         """Tower ``t``'s shard in flight, now answered by ``h``, and the version it pulled."""
@@ -222,7 +296,7 @@ class Server:
                 return False
             grads.append(g)
         opt = cast(torch.optim.Optimizer, self.replica.optimizer)
-        self.replica.schedule_to(step)
+        self.replica.schedule_to(self.job.scheduled(step))
         for p, g in zip(params, grads):
             # The worker backpropagated loss * samples, as the sync engine does; dividing here
             # gives a one-tower step the same rounding as a synchronous one.
@@ -272,4 +346,5 @@ class Server:
             ahead=rec.ahead,
             dropped=sorted(rec.dropped),
             dead_workers=sorted(set(rec.dead)),  # a restarted run may lose one again
+            evals=list(rec.evals),
         )

@@ -34,6 +34,7 @@ class Record:
     skipped: dict[int, list[int]] = field(default_factory=dict)  # step -> culprit towers
     dropped: list[tuple[int, int]] = field(default_factory=list)  # backup: (step, tower)
     dead: list[int] = field(default_factory=list)  # towers lost
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # (done, metrics)
     samples: int = 0
     prior_seconds: float = 0.0  # training time of the runs this one resumed
 

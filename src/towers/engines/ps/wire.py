@@ -85,7 +85,10 @@ class Layout:
         return [p.data for p in model.parameters()] + list(model.buffers())
 
     def new(self) -> torch.Tensor:
-        return torch.zeros(self.size, dtype=torch.uint8)
+        """A message with a zeroed header; the payload is written before it is read."""
+        msg = torch.empty(self.size, dtype=torch.uint8)
+        self.header(msg).zero_()
+        return msg
 
     def header(self, msg: torch.Tensor) -> torch.Tensor:
         return msg[: 8 * self.header_len].view(torch.float64)
@@ -215,11 +218,11 @@ class ServerLink:
             thread.start()
 
     def _receive(self, tower: int) -> None:
-        buf = self.layout.new()
         try:
             while True:
-                self.comm.recv(buf, tower + 1)
-                msg = buf.clone()
+                # a new buffer per message: the server may hold several, and no clone is needed
+                msg = torch.empty(self.layout.size, dtype=torch.uint8)
+                self.comm.recv(msg, tower + 1)
                 self.inbox.put((tower, msg))
                 if int(self.layout.header(msg)[Field.KIND]) == Kind.BYE:
                     return

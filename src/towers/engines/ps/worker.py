@@ -11,12 +11,14 @@ mode it steps its own optimizer instead and sends its parameters every K steps.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ...core.data import BatchCache, num_samples
 from ...core.split import split
+from ..fetch import Fetcher
 from ..job import Job
 from ..replica import Replica, backward_shard
 from .wire import Header, Kind, Layout, WorkerLink, read_header
@@ -34,12 +36,18 @@ class _Tower:
         self.slow = float(job.straggle.get(tower, 1.0))
         self.batches = BatchCache(num_samples(job.data), job.batch_size, job.shuffle, job.seed)
         self.since_steps = self.since_samples = 0  # local: since the last average
+        self.fetch = Fetcher(job)
+
+    def _fetch(self, micro: list[torch.Tensor]) -> Iterator[Any]:
+        return self.fetch(self.job.data, micro)
 
     def compute(self, h: Header, layout: Layout, out: torch.Tensor) -> dict[str, Any]:
         """Backpropagate shard ``(h.step, h.shard)`` into ``out``; the answer's header fields."""
         model = self.replica.model
         mine = split(self.batches.get(h.step), self.towers)[h.shard]
-        loss_sum, samples = backward_shard(self.job, model, mine, self.device, slow=self.slow)
+        loss_sum, samples = backward_shard(
+            self.job, model, mine, self.device, slow=self.slow, fetch=self._fetch
+        )
         finite = layout.write_grads(out, model) and math.isfinite(loss_sum)
         fields: dict[str, Any] = {"step": h.step, "shard": h.shard, "samples": samples}
         fields |= {"loss": loss_sum, "bad": not finite}
@@ -56,7 +64,7 @@ class _Tower:
         opt = replica.optimizer
         assert opt is not None
         if finite:
-            replica.schedule_to(h.step)
+            replica.schedule_to(self.job.scheduled(h.step))
             for p in replica.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(samples)
@@ -84,6 +92,7 @@ def work(link: WorkerLink, job: Job, tower: int, towers: int, device: torch.devi
         msg = link.recv()
         h = read_header(layout, msg)
         if h.kind == Kind.STOP:
+            me.fetch.close()
             layout.read_values(msg, model)
             link.send(layout.stamp(out, Kind.BYE))
             return

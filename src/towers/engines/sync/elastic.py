@@ -30,6 +30,8 @@ from ...comm.elastic import ElasticConnection
 from ...core.data import BatchOrder, num_samples
 from ...core.split import split
 from ...core.step import StepResult
+from ..evaluate import due
+from ..fetch import Fetcher
 from ..job import EngineResult, Job
 from ..replica import Replica, backward_shard
 from ..report import Reporter
@@ -55,7 +57,10 @@ class _ElasticRun(_Run):
             self.replica.load(resume)
             self.order.load_state_dict(resume["data"])
             self.record = SyncRecord.from_state(resume["record"])
+            self.record.evals = [(d, m) for d, m in self.record.evals if due(job, d)]
             self.first = resume["step"]
+        self.fetcher = Fetcher(job)  # evaluation's
+        self.fetch = None
         # Steps done; a replacement has none until a peer sends it the state.
         self.done = -1 if conn.joining else self.first
         self.lost_at: float | None = None  # when the peer whose loss is being recovered died
@@ -107,7 +112,7 @@ class _ElasticRun(_Run):
         self.step.add(loss_sum, n)
         r = self.step.reduce(regroup=self.conn.membership.regroup_wanted)
         self.step.apply(r, replica.optimizer)  # type: ignore[arg-type]
-        replica.schedule_to(k + 1)
+        replica.schedule_to(job.scheduled(k + 1))
         return r
 
     def _lost_at(self, generation: int) -> float | None:
@@ -142,6 +147,8 @@ class _ElasticRun(_Run):
                         self.comm.barrier()  # every member has done every step
                         break
                     self._completed(self._attempt(self.done))
+                    if due(job, self.done):
+                        self._evaluate(self.done, self.reporter)
                     if self._due(self.done):
                         self._save(self.done)
                 except PeerFailure:

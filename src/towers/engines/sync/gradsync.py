@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from ...comm.base import Comm, Work
+from ...core.agree import BatchStamp
 from ...core.step import StepMeta, StepResult, all_finite, assign_grads, step_result
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradientSync"]
@@ -60,6 +61,9 @@ class GradientSync:
         self.comm = comm
         self.buckets = make_buckets(self.params, bucket_bytes)
         self.meta = StepMeta(comm.world_size, len(self.params))
+        self.stamp = BatchStamp(comm.world_size)  # rides behind the meta (core/agree.py)
+        self._no_stamp = torch.zeros(self.stamp.length, dtype=torch.float64)
+        tail_length = self.meta.length + self.stamp.length
         last = len(self.buckets) - 1
         # The metadata rides in the last bucket when that bucket's dtype holds it exactly.
         self.meta_in_bucket = self.params[self.buckets[last][0]].dtype in (
@@ -73,7 +77,7 @@ class GradientSync:
         for b, indices in enumerate(self.buckets):
             ref = self.params[indices[0]]
             total = sum(self.params[i].numel() for i in indices)
-            extra = self.meta.length if b == last and self.meta_in_bucket else 0
+            extra = tail_length if b == last and self.meta_in_bucket else 0
             storage = self._buffer(total + extra, ref)
             self._storage.append(storage)
             self.buffers.append(storage[:total])
@@ -145,14 +149,25 @@ class GradientSync:
         self._works.append(self.comm.all_reduce_sum(self.buffers[b]))
         self._launched = b + 1
 
-    def finish(self, samples: int, loss_sum: float, regroup: bool = False) -> StepResult:
+    def finish(
+        self,
+        samples: int,
+        loss_sum: float,
+        stamp: torch.Tensor | None = None,
+        regroup: bool = False,
+    ) -> StepResult:
         """Complete the averaging; every rank must call this once per step.
 
         Args:
             samples: this tower's sample count for the step (0 for an empty tower).
             loss_sum: this tower's loss summed over its samples (mean loss times ``samples``).
+            stamp: this rank's :class:`~towers.core.agree.BatchStamp` vector (step, global
+                batch size, fingerprint), checked against the other ranks'; ``None``: unknown.
             regroup: ask every rank to regroup after this step (a replacement waits to join);
                 afterwards :attr:`regroup` says, identically on every rank, whether any asked.
+
+        Raises:
+            ValueError: on every rank, if the ranks' stamps disagree.
 
         Returns:
             The step's outcome. Unless it is skipped, each parameter's ``.grad`` holds the
@@ -165,8 +180,10 @@ class GradientSync:
         self._pack(last)
         bad = not math.isfinite(loss_sum) or self._bad_grad
         meta = self.meta.pack(self.comm.rank, samples, loss_sum, bad, self._had_grad, regroup)
+        checked = stamp is not None  # towers.train's loop builds the batches itself: no stamp
+        meta = torch.cat([meta, stamp if stamp is not None else self._no_stamp])
         if self.meta_in_bucket:
-            tail = self._storage[last][-self.meta.length :]
+            tail = self._storage[last][-len(meta) :]
             tail.copy_(meta)
             self._works.append(self.comm.all_reduce_sum(self._storage[last]))
         else:
@@ -176,7 +193,13 @@ class GradientSync:
         self._launched = last + 1
         for w in self._works:
             w.wait()
-        tally = self.meta.read(tail)
+        if checked:
+            try:
+                self.stamp.check(tail[self.meta.length :])
+            except ValueError:
+                self._reset()
+                raise
+        tally = self.meta.read(tail[: self.meta.length])
         self.regroup = tally.regroup
         result = step_result(tally, all(all_finite(buf) for buf in self.buffers))
         if not result.skipped:

@@ -16,13 +16,16 @@ from typing import Any
 import torch
 
 from ...comm.group import Connection
-from ...core.data import BatchOrder, num_samples
+from ...core.data import BatchOrder, is_dataset, num_samples
 from ...core.split import split
 from ...core.step import StepResult
 from .. import checkpoint
+from ..evaluate import combine, due, evaluate
+from ..fetch import Fetcher, Planned
 from ..job import EngineResult, Job
 from ..replica import Replica, backward_shard, cpu_state
 from ..report import Reporter
+from ..syncbn import convert_batchnorm
 from .step import SyncStep
 
 __all__ = ["SyncRecord", "sync_loop"]
@@ -40,6 +43,7 @@ class SyncRecord:
     seconds: float = 0.0  # training time of the runs before this one
     world: list[int] = field(default_factory=list)  # towers that computed each step
     recoveries: list[tuple[int, float]] = field(default_factory=list)  # elastic: see result
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
     def add(self, step: int, r: StepResult, at: float) -> None:
         self.samples += r.samples
@@ -55,6 +59,7 @@ class SyncRecord:
         record = cls(**state)
         record.skipped = [(s, list(c)) for s, c in record.skipped]
         record.recoveries = [(s, float(t)) for s, t in record.recoveries]
+        record.evals = [(s, dict(m)) for s, m in record.evals]
         return record
 
 
@@ -66,12 +71,19 @@ class _Run:
         torch.manual_seed(job.seed + self.comm.rank)
         self.step = SyncStep(self.comm, conn.device)
         self.replica = Replica.build(job, conn.device)
+        if job.sync_batchnorm:
+            convert_batchnorm(self.replica.model, self.comm)
         self.step.replicate(self.replica.model)
         self.order = BatchOrder(num_samples(job.data), job.batch_size, job.shuffle, job.seed)
         self.record = SyncRecord()
         self.first = 0
         if resume is not None:
             self._restore(resume)
+        self.fetcher = Fetcher(job)  # evaluation's
+        self.fetch = None  # fetch in this process; or a DataLoader's processes, planned ahead
+        if job.num_workers and is_dataset(job.data):
+            position = None if resume is None else resume["data"]
+            self.fetch = Planned(job, self.comm.rank, self.comm.world_size, self.first, position)
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.replica.load(state)
@@ -82,6 +94,8 @@ class _Run:
         else:  # resumed with another number of workers: fresh, but reproducible, streams
             torch.manual_seed(self.job.seed + self.comm.rank + 1000 * state["step"])
         self.record = SyncRecord.from_state(state["record"])
+        # a shorter run's evaluation at its end is not one of this run's
+        self.record.evals = [(d, m) for d, m in self.record.evals if due(self.job, d)]
         self.first = state["step"]
 
     def _save(self, done: int) -> None:
@@ -95,13 +109,25 @@ class _Run:
             "record": asdict(self.record),
             **self.replica.state(),
         }
-        checkpoint.save(self.job.checkpoint, done, "sync", payload)  # type: ignore[arg-type]
+        checkpoint.save_or_warn(self.job.checkpoint, done, "sync", payload)  # type: ignore[arg-type]
 
     def _due(self, done: int) -> bool:
         job = self.job
         return job.checkpoint is not None and (
             done % job.checkpoint_every == 0 or done == job.steps
         )
+
+    def _planned(self, micro: list[torch.Tensor]) -> list[Any]:
+        assert self.fetch is not None
+        return [self.fetch(m) for m in micro]
+
+    def _evaluate(self, done: int, reporter: Reporter) -> None:
+        comm = self.comm
+        model, world = self.replica.model, comm.world_size
+        mine = evaluate(self.job, model, self.device, comm.rank, world, self.fetcher)
+        metrics = combine(comm.all_gather_object(mine))
+        self.record.evals.append((done, metrics))
+        reporter.evaluated(done, metrics)
 
     def train(self) -> None:
         job, comm, record, replica = self.job, self.comm, self.record, self.replica
@@ -114,22 +140,33 @@ class _Run:
             for k in range(self.first, job.steps):
                 mine = split(next(self.order), comm.world_size)[comm.rank]
                 loss_sum, n = backward_shard(
-                    job, replica.model, mine, self.device, before_last=self.step.arm, slow=slow
+                    job,
+                    replica.model,
+                    mine,
+                    self.device,
+                    before_last=self.step.arm,
+                    slow=slow,
+                    fetch=None if self.fetch is None else self._planned,
                 )
                 self.step.add(loss_sum, n)
                 r = self.step.reduce()
                 self.step.apply(r, replica.optimizer)  # type: ignore[arg-type]
-                replica.schedule_to(k + 1)
+                replica.schedule_to(job.scheduled(k + 1))
                 elapsed = time.perf_counter() - start
                 record.add(k, r, record.seconds + elapsed)
                 rate = (record.samples - first_samples) / elapsed
                 reporter.step(k, r.loss, r.tower_losses, rate)
+                if due(job, k + 1):
+                    self._evaluate(k + 1, reporter)
                 if self._due(k + 1):
                     record.seconds += time.perf_counter() - start
                     start, first_samples = time.perf_counter(), record.samples
                     self._save(k + 1)
         finally:
             reporter.close()
+            if self.fetch is not None:
+                self.fetch.close()
+            self.fetcher.close()
         record.seconds += time.perf_counter() - start
 
     def result(self) -> EngineResult:
@@ -145,6 +182,7 @@ class _Run:
             times=r.times,
             world=list(r.world),
             recoveries=list(r.recoveries),
+            evals=list(r.evals),
         )
 
 

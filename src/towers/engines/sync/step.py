@@ -58,16 +58,17 @@ class SyncStep:
         self.loss_sum += loss_sum
         self.samples += samples
 
-    def reduce(self, regroup: bool = False) -> StepResult:
+    def reduce(self, stamp: torch.Tensor | None = None, regroup: bool = False) -> StepResult:
         """Average the gradients over all towers, weighted by samples; the same on every rank.
 
         Afterwards each parameter's ``.grad`` holds the global batch's gradient, unless the step
-        is skipped (a loss or gradient was not finite on some tower). ``regroup``: this rank
-        asks all to regroup after the step (see :attr:`regroup`).
+        is skipped (a loss or gradient was not finite on some tower). ``stamp``: see
+        :meth:`GradientSync.finish`. ``regroup``: this rank asks all to regroup after the step
+        (see :attr:`regroup`).
         """
         sync = self._sync()
         try:
-            return sync.finish(self.samples, self.loss_sum, regroup)
+            return sync.finish(self.samples, self.loss_sum, stamp, regroup)
         finally:
             self.samples, self.loss_sum = 0, 0.0
 

@@ -1,0 +1,140 @@
+"""Mistakes people make when they port a script to towers, caught with a message that says the fix.
+
+Each message is one paragraph: what happened, why, and what to write instead. They are raised (or
+warned) in the caller, before any worker starts where that is possible.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+from ..core.messages import shorten
+
+__all__ = [
+    "BACKWARD_TWICE",
+    "check_sync_batchnorm",
+    "has_batchnorm",
+    "refuse_distributed_sampler",
+    "refuse_sample_list",
+    "refuse_wrapped_model",
+    "warn_unsynced_buffers",
+]
+
+BACKWARD_TWICE = (
+    "the parameters already hold gradients when ctx.backward()/ctx.step() starts. Either "
+    "loss.backward() was called first: remove it, because ctx.backward(loss) and ctx.step(loss, "
+    "optimizer) backpropagate the loss themselves (weighted by the tower's samples, then "
+    "averaged over the towers); or the last step's gradients were not cleared: call "
+    "optimizer.zero_grad() after optimizer.step(). For gradient accumulation use "
+    "ctx.accumulate(loss) for every micro-batch but the last"
+)
+
+
+def refuse_wrapped_model(model: Any, where: str) -> None:
+    """``TypeError`` for a model wrapped in ``DistributedDataParallel`` or ``DataParallel``."""
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise TypeError(
+            f"{where} got a model wrapped in {type(model).__name__}; pass the plain model "
+            "(model.module, or drop the wrapping line from the script). towers averages the "
+            "gradients itself, weighted by each tower's samples, and the wrapper would average "
+            "them a second time, divided by the world size"
+        )
+
+
+def refuse_distributed_sampler(loader: Any) -> None:
+    """``ValueError`` for a DataLoader that gives each rank its own part of the data."""
+    samplers = [getattr(loader, "sampler", None)]
+    samplers.append(getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+    if any(isinstance(s, DistributedSampler) for s in samplers):
+        raise ValueError(
+            "ctx.shards() got a DataLoader with a DistributedSampler, which hands every rank a "
+            "different part of the data; ctx.shards() then would split each rank's part again. "
+            "Give every rank the same global batches instead: DataLoader(dataset, "
+            "batch_size=GLOBAL_BATCH, shuffle=True, generator=torch.Generator().manual_seed(SEED)) "
+            "with the same SEED on every rank, and ctx.shards() cuts out each rank's part"
+        )
+
+
+def refuse_sample_list(data: Any) -> None:
+    """``TypeError`` for a list of ``(x, y)`` samples, with the call to write instead."""
+    if not isinstance(data, list) or not data or not isinstance(data[0], (tuple, list, dict)):
+        return
+    first = shorten(repr(data[0]), 80)
+    raise TypeError(
+        f"data is a list of {len(data)} samples (the first is {first}); towers takes the "
+        "samples stacked along dim 0, a tuple of tensors such as (x, y) with x[i], y[i] the "
+        "i-th sample, or a map-style Dataset. Stack them: data = tuple(torch.stack(column) for "
+        "column in zip(*samples)), or wrap the list in a Dataset class with __len__ and "
+        "__getitem__"
+    )
+
+
+def has_batchnorm(model: nn.Module) -> list[str]:
+    """The names of ``model``'s layers that keep running statistics in training."""
+    return [
+        name or type(m).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+    ]
+
+
+def warn_unsynced_buffers(model: nn.Module, fix: str, stacklevel: int = 3) -> None:
+    """Warn that each tower's BatchNorm layers see only its shard (see docs/batchnorm.md)."""
+    layers = has_batchnorm(model)
+    if not layers:
+        return
+    shown = ", ".join(layers[:3]) + (", ..." if len(layers) > 3 else "")
+    warnings.warn(
+        f"the model has {len(layers)} BatchNorm layer(s) ({shown}); without sync_batchnorm "
+        "each tower normalises over its own shard and updates its own running statistics, so "
+        "training differs from one process over the whole global batch (the trained model "
+        f"keeps rank 0's running statistics). For a single process's result pass {fix}; see "
+        "docs/batchnorm.md",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def check_sync_batchnorm(
+    sync_batchnorm: Any,
+    model: nn.Module,
+    mode: Any,
+    workers: int,
+    samples: int,
+    batch_size: int,
+    accumulate: int,
+) -> None:
+    """Refuse ``sync_batchnorm=True`` where it cannot be exact; warn when it is off and needed."""
+    if not isinstance(sync_batchnorm, bool):
+        raise TypeError(f"sync_batchnorm must be True or False, got {sync_batchnorm!r}")
+    if not sync_batchnorm:
+        if workers > 1:
+            fix = "train(..., sync_batchnorm=True)"
+            if mode.name != "sync":
+                fix += " in mode='sync'"
+            warn_unsynced_buffers(model, fix, stacklevel=4)
+        return
+    if mode.name != "sync":
+        raise ValueError(
+            f"sync_batchnorm=True needs mode='sync' (got {mode}): in the asynchronous modes the "
+            "towers do not run their forward passes together"
+        )
+    if accumulate != 1:
+        raise ValueError(
+            f"sync_batchnorm=True needs accumulate=1 (got {accumulate}): with micro-batches "
+            "BatchNorm normalises over each micro-batch, which one process over the global "
+            "batch never does; lower batch_size instead"
+        )
+    last = samples % batch_size or batch_size
+    smallest = min(batch_size, last, samples)
+    if smallest < workers:
+        raise ValueError(
+            f"sync_batchnorm=True needs at least one sample per tower in every global batch, "
+            f"but with {samples} samples and batch_size={batch_size} a batch of {smallest} "
+            f"meets {workers} workers: raise batch_size, or drop the last "
+            f"{samples % batch_size} sample(s) from data"
+        )

@@ -1,0 +1,148 @@
+"""Send a job to worker processes with all its tensors in one shared-memory buffer.
+
+``multiprocessing`` pickles a process's arguments with PyTorch's reducers, which move every
+tensor's storage to shared memory and pass it as one file descriptor of its own. A Dataset that
+holds one tensor per sample then needs one descriptor per sample: ``forkserver`` refuses more
+than a few hundred ("too many fds"), and other start methods hit the open-file limit ("Too many
+open files"). :func:`pack` instead pickles the arguments with every CPU storage left out
+(``persistent_id``, as ``torch.save`` does) and copies the storages, back to back, into one
+shared buffer: one descriptor whatever the number of tensors, one copy of the data in the caller,
+none in the workers, whose tensors are views of the buffer. The caller's tensors are not moved.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Packed", "check_picklable", "pack", "unpack"]
+
+_TYPED = torch.storage.TypedStorage
+_ALIGN = 64  # bytes: every storage starts on a cache line, so any dtype's view is aligned
+
+
+@dataclass
+class Packed:
+    """Pickled bytes and the one shared buffer their storages live in."""
+
+    pickled: bytes
+    buffer: torch.Tensor  # uint8, in shared memory
+    spans: list[tuple[int, int]]  # (offset, bytes) of each storage in the buffer
+
+
+@dataclass(frozen=True)
+class _Ref:
+    index: int  # of a storage in the buffer
+
+
+def _rebuild_tensor(
+    untyped: torch.UntypedStorage,
+    dtype: torch.dtype,
+    offset: int,
+    size: torch.Size,
+    stride: tuple[int, ...],
+    requires_grad: bool,
+) -> torch.Tensor:
+    t = torch.empty(0, dtype=dtype).set_(untyped, offset, size, stride)  # type: ignore[call-overload]
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.storages: list[torch.UntypedStorage] = []
+        self.index: dict[int, int] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        # A plain dense CPU tensor, directly: torch's own reduction costs several times more,
+        # which counts for a Dataset of one small tensor per sample.
+        if (
+            type(obj) is not torch.Tensor
+            or obj.device.type != "cpu"
+            or obj.layout != torch.strided
+            or obj.is_quantized
+            or obj._backward_hooks
+            or obj.__dict__
+        ):
+            return NotImplemented
+        ref = _Ref(self._add(obj.untyped_storage()))
+        args = (ref, obj.dtype, obj.storage_offset(), obj.size(), obj.stride(), obj.requires_grad)
+        return _rebuild_tensor, args
+
+    def _add(self, untyped: torch.UntypedStorage) -> int:
+        key = untyped._cdata  # storages shared by several tensors are sent once
+        if key not in self.index:
+            self.index[key] = len(self.storages)
+            self.storages.append(untyped)
+        return self.index[key]
+
+    def persistent_id(self, obj: Any) -> Any:
+        kind = type(obj)  # called for every object pickled: the common case must be cheap
+        if kind is _Ref:
+            return ("tensor", obj.index, None, False)
+        if kind is _TYPED:
+            untyped, dtype = obj._untyped_storage, obj.dtype
+        elif kind is torch.UntypedStorage:
+            untyped, dtype = obj, torch.uint8
+        else:
+            return None
+        if untyped.device.type != "cpu":
+            return None  # pickled by value (torch.save's format) and rebuilt on its device
+        return ("storage", self._add(untyped), dtype, kind is _TYPED)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, packed: Packed):
+        super().__init__(file)
+        self.whole = packed.buffer.untyped_storage()
+        self.spans = packed.spans
+        self.made: dict[int, torch.UntypedStorage] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        what, i, dtype, typed = pid
+        if i not in self.made:
+            start, size = self.spans[i]
+            # a storage of its own size (sharing the buffer's memory): copying or saving a
+            # tensor copies its storage, which must not be the whole buffer
+            self.made[i] = self.whole[start : start + size]
+        untyped = self.made[i]
+        if what == "tensor" or not typed:
+            return untyped
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def pack(obj: Any) -> Packed:
+    """``obj`` pickled, its CPU tensors' storages copied into one shared-memory buffer."""
+    out = io.BytesIO()
+    pickler = _Pickler(out)
+    pickler.dump(obj)
+    spans, end = [], 0
+    for s in pickler.storages:
+        spans.append((end, s.nbytes()))
+        end += -(-s.nbytes() // _ALIGN) * _ALIGN
+    buffer = torch.empty(end, dtype=torch.uint8).share_memory_()
+    base = buffer.data_ptr()
+    for s, (start, size) in zip(pickler.storages, spans):
+        if size:
+            ctypes.memmove(base + start, s.data_ptr(), size)  # no tensor per storage: cheaper
+    return Packed(out.getvalue(), buffer, spans)
+
+
+def check_picklable(obj: Any) -> None:
+    """Raise what :func:`pack` would raise for ``obj``, without copying any tensor's data."""
+    _Pickler(_Discard()).dump(obj)  # type: ignore[arg-type]
+
+
+class _Discard:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def unpack(packed: Packed) -> Any:
+    """The object :func:`pack` packed; its tensors are views of the shared buffer."""
+    return _Unpickler(io.BytesIO(packed.pickled), packed).load()

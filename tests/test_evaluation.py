@@ -1,0 +1,216 @@
+"""Evaluation during training and per-epoch schedules, against a plain single-process loop."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from helpers import assert_close_lists, assert_same_parameters, make_net, mse, regression_data
+from torch.utils.data import DataLoader, TensorDataset
+
+import towers
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.5)
+HALVE_EACH_EPOCH = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+
+
+def metrics(model, batch):
+    x, y = batch
+    out = model(x)
+    return {"mse": (out - y).square().mean(), "mae": (out - y).abs().mean()}
+
+
+def plain_evaluate(model, data, eval_fn=None):
+    """One process, one batch holding all of the evaluation data."""
+    model.eval()
+    with torch.no_grad():
+        out = eval_fn(model, data) if eval_fn else {"loss": mse(model, data)}
+    model.train()
+    return {k: float(v) for k, v in out.items()}
+
+
+def plain_loop(data, eval_data, *, batch_size, epochs, eval_every, eval_fn=None, seed=0):
+    """A typical script: a DataLoader, a per-epoch StepLR, evaluation every ``eval_every``."""
+    model = make_net()
+    loader = DataLoader(
+        TensorDataset(*data),
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    opt = SGD(model.parameters())
+    schedule = HALVE_EACH_EPOCH(opt)
+    losses, evals, done = [], [], 0
+    for _ in range(epochs):
+        for batch in loader:
+            opt.zero_grad()
+            loss = mse(model, batch)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            done += 1
+            if done % eval_every == 0:
+                evals.append((done, plain_evaluate(model, eval_data, eval_fn)))
+        schedule.step()
+    if not evals or evals[-1][0] != done:
+        evals.append((done, plain_evaluate(model, eval_data, eval_fn)))
+    return model, losses, evals
+
+
+def assert_same_evals(got, expected):
+    assert [d for d, _ in got] == [d for d, _ in expected]
+    for (done, g), (_, e) in zip(got, expected, strict=True):
+        assert sorted(g) == sorted(e), done
+        for key in e:
+            assert math.isclose(g[key], e[key], rel_tol=1e-5, abs_tol=1e-7), (done, key, g, e)
+
+
+@pytest.mark.timeout(90)
+def test_sync_evaluation_and_epoch_schedule_match_a_plain_loop():
+    # 45 samples in batches of 10: 5 batches per epoch, the last of 5; 3 towers get uneven
+    # shards, and 13 evaluation samples in chunks of 10 split over 3 towers are uneven too.
+    data, eval_data = regression_data(45), regression_data(13, seed=5)
+    result = towers.train(
+        make_net(),
+        mse,
+        data,
+        batch_size=10,
+        epochs=3,
+        workers=3,
+        optimizer=SGD,
+        lr_schedule=HALVE_EACH_EPOCH,
+        lr_interval="epoch",
+        eval_data=eval_data,
+        eval_fn=metrics,
+        eval_every=4,
+        progress=False,
+    )
+    model, losses, evals = plain_loop(
+        data, eval_data, batch_size=10, epochs=3, eval_every=4, eval_fn=metrics
+    )
+    assert_close_lists(result.losses, losses)
+    assert_same_parameters(result.model, model)
+    assert [d for d, _ in result.evals] == [4, 8, 12, 15]
+    assert_same_evals(result.evals, evals)
+
+
+@pytest.mark.timeout(90)
+def test_async_server_evaluates_and_schedules_per_epoch():
+    # One tower: the server applies every gradient in order, as a plain loop does.
+    data, eval_data = regression_data(45), regression_data(13, seed=5)
+    result = towers.train(
+        make_net(),
+        mse,
+        data,
+        batch_size=10,
+        epochs=2,
+        workers=1,
+        mode="async",
+        optimizer=SGD,
+        lr_schedule=HALVE_EACH_EPOCH,
+        lr_interval="epoch",
+        eval_data=eval_data,
+        eval_every=5,
+        progress=False,
+    )
+    model, losses, evals = plain_loop(data, eval_data, batch_size=10, epochs=2, eval_every=5)
+    assert_close_lists(result.losses, losses)
+    assert_same_parameters(result.model, model)
+    assert_same_evals(result.evals, evals)
+
+
+def test_resume_keeps_evaluations_and_the_epoch_schedule(tmp_path):
+    data, eval_data = regression_data(45), regression_data(13, seed=5)
+    common = dict(
+        batch_size=10,
+        workers=1,
+        optimizer=SGD,
+        lr_schedule=HALVE_EACH_EPOCH,
+        lr_interval="epoch",
+        eval_data=eval_data,
+        eval_every=5,
+        progress=False,
+    )
+    whole = towers.train(make_net(), mse, data, steps=13, **common)
+    towers.train(make_net(), mse, data, steps=7, checkpoint=tmp_path, checkpoint_every=7, **common)
+    resumed = towers.train(make_net(), mse, data, steps=13, checkpoint=tmp_path, **common)
+    assert [d for d, _ in resumed.evals] == [5, 10, 13]
+    assert_same_evals(resumed.evals, whole.evals)
+    assert_same_parameters(resumed.model, whole.model, rtol=0, atol=0)
+
+
+def test_default_eval_fn_is_the_loss_over_all_samples():
+    data, eval_data = regression_data(45), regression_data(13, seed=5)
+    result = towers.train(
+        make_net(), mse, data, batch_size=10, steps=3, workers=1, eval_data=eval_data
+    )
+    trained = make_net()
+    trained.load_state_dict(result.model.state_dict())
+    assert [d for d, _ in result.evals] == [3]
+    assert_same_evals(result.evals, [(3, plain_evaluate(trained, eval_data))])
+
+
+def not_a_dict(model, batch):
+    return mse(model, batch)
+
+
+def per_sample(model, batch):
+    x, y = batch
+    return {"loss": (model(x) - y).square().flatten()}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        ({"eval_every": 5}, ValueError, "eval_every= needs eval_data="),
+        ({"eval_fn": metrics}, ValueError, "eval_fn= needs eval_data="),
+        ({"eval_data": regression_data(5), "eval_every": 0}, ValueError, "eval_every must be"),
+        ({"eval_data": regression_data(5), "eval_fn": lambda m, b: {}}, ValueError, "lambda"),
+        ({"eval_data": regression_data(5), "eval_fn": not_a_dict}, TypeError, "non-empty dict"),
+        ({"eval_data": regression_data(5), "eval_fn": per_sample}, ValueError, "scalar"),
+        ({"eval_data": (torch.zeros(0, 3), torch.zeros(0, 1))}, ValueError, "no samples"),
+        ({"lr_interval": "batch"}, ValueError, "lr_interval must be 'step'"),
+    ],
+)
+def test_bad_evaluation_arguments_are_refused_in_the_caller(overrides, error, message):
+    kwargs = dict(batch_size=10, steps=2, workers=2, progress=False) | overrides
+    with pytest.raises(error, match=message):
+        towers.train(make_net(), mse, regression_data(45), **kwargs)
+
+
+def test_eval_curve_plots_one_metric_against_global_batches(tmp_path):
+    from towers.tools.plots import eval_curve, save_loss_plot
+
+    evals = [(5, {"loss": 0.5, "acc": 0.7}), (10, {"loss": 0.25, "acc": 0.9})]
+    xs, ys, style = eval_curve(evals, "acc", color="C1")
+    assert (xs, ys) == ([5, 10], [0.7, 0.9]) and style["color"] == "C1"
+    path = save_loss_plot(
+        [([1, 2, 3], [1.0, 0.5, 0.2], {"label": "train"}), eval_curve(evals)],
+        tmp_path / "p.png",
+        title="t",
+        xlabel="global batches",
+        ylabel="loss",
+    )
+    assert path.stat().st_size > 1000
+
+
+@pytest.mark.timeout(90)
+def test_local_sgd_evaluates_the_final_average_at_the_end():
+    data, eval_data = regression_data(45), regression_data(13, seed=5)
+    result = towers.train(
+        make_net(),
+        mse,
+        data,
+        batch_size=10,
+        steps=6,
+        workers=2,
+        mode="local:4",  # the last average comes after the last shard's result
+        optimizer=SGD,
+        eval_data=eval_data,
+        eval_every=3,
+        progress=False,
+    )
+    assert [d for d, _ in result.evals] == [3, 6]
+    assert_same_evals(result.evals[-1:], [(6, plain_evaluate(result.model, eval_data))])
