@@ -41,9 +41,9 @@ before every rank arrived at it, counting tokens is enough. How a rank waits for
 shorter than ``spin`` (100 us), and otherwise sleeps in ``sem_timedwait`` at once, so that a
 waiting rank leaves the core to its peers and to other jobs on a busy machine. An earlier
 version yield-polled for 1 ms on every barrier: under one busy process on 2 cores it spent
-about twice as long inside barriers as sleeping does, because a rank that yields is runnable
-and so is not woken when its peer arrives (docs/performance.md). A blocked waiter checks that
-its peers are alive, and gives up after ``timeout`` seconds.
+3 to 6 times as long inside barriers as sleeping does (medians), because a rank that yields
+is runnable and so is not woken when its peer arrives (docs/performance.md). A blocked waiter
+checks that its peers are alive, and gives up after ``timeout`` seconds.
 
 Nothing outlives the job: rank 0 unlinks the segment file and the semaphores as soon as every
 rank has attached, so the memory is freed when the last process exits, even on ``SIGKILL``
