@@ -53,6 +53,10 @@ def test_pack_keeps_views_shared_storages_parameters_and_dtypes():
     assert out["column"][0] == 100.0 and x[0, 1] == 1.0  # shared among views, not with the caller
     # each storage is its own size: a copy or a checkpoint of one tensor is not the whole buffer
     assert out["module"].weight.untyped_storage().nbytes() == 4 * 4
+    storage = unpack(pack(x.untyped_storage()))  # a storage on its own is sent the same way
+    assert storage.nbytes() == 12 * 4 and torch.equal(
+        torch.tensor(storage).view(torch.float32), x.flatten()
+    )
     generator = torch.Generator().manual_seed(5)
     expected = torch.rand(3, generator=generator)
     generator.manual_seed(5)

@@ -184,10 +184,10 @@ def test_ddp_tutorial_port_under_towers_run_equals_one_process(tmp_path: Path) -
 
 @pytest.mark.timeout(100)
 def test_mnist_style_port_and_the_plain_script_test_every_epoch(tmp_path: Path) -> None:
-    flags = ("--epochs", "3", "--min-accuracy", "0.8")
+    flags = ("--epochs", "2", "--min-accuracy", "0.7")
     ported = run_example("mnist_style.py", "--workers", "2", *flags, cwd=tmp_path)
     plain = run_example("mnist_style.py", "--plain", *flags, cwd=tmp_path)
     for out in (ported, plain):
         epochs = [line for line in out.splitlines() if line.startswith("epoch ")]
-        assert [line.split(":")[0] for line in epochs] == ["epoch 1", "epoch 2", "epoch 3"]
+        assert [line.split(":")[0] for line in epochs] == ["epoch 1", "epoch 2"]
         assert "of 360" in epochs[-1] and "ok: test accuracy" in out

@@ -93,16 +93,7 @@ def test_towers_run_ranks_die_with_it(tmp_path):
         "loop",
         str(tmp_path),
     ]
-    for sig in (signal.SIGKILL, signal.SIGTERM):
-        ready = tmp_path / "ready"
-        ready.unlink(missing_ok=True)
-        proc, ranks = start(args, ready)
-        os.kill(proc.pid, sig)
-        _, err = proc.communicate(timeout=30)
-        assert_all_gone(ranks)
-        if sig == signal.SIGTERM:
-            assert proc.returncode == 143, err
-            assert (
-                err.strip().splitlines()[-1]
-                == "towers run: stopped by SIGTERM; stopping every rank"
-            )
+    proc, ranks = start(args, tmp_path / "ready")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert_all_gone(ranks)

@@ -22,13 +22,13 @@ Writing a slot again two chunks later is safe without a third barrier: the chunk
 passed a barrier that every rank reaches only after it finished reading the older chunk.
 
 Buffers lent by :meth:`ShmComm.buffer` (the engine packs its gradient buckets into them) skip the
-copies: after a barrier, rank r adds the peers' part r to its own buffer in place and writes
-the sum into part r of every peer's buffer; a second barrier, and every buffer holds the whole
-sum. Between the barriers only rank r touches part r of any buffer, and after the second no
-rank reads another's buffer, so each may write its own again at once (the next gradients).
-Pushing the sums (instead of each rank pulling the others' parts after the second barrier)
-saves the third barrier that pulling needs, and each barrier is a point where a rank on a busy
-machine may wait for a peer that is not running. That moves about 2.5 times fewer bytes.
+copies, which moves about 2.5 times fewer bytes: after a barrier, rank r adds the peers' part r
+to its own buffer in place and writes the sum into part r of every peer's buffer; after a
+second barrier every buffer holds the whole sum. Between the barriers only rank r touches part
+r of any buffer, and after the second no rank reads another's buffer, so each may write its
+own again at once (the next gradients). Pushing the sums (instead of each rank pulling the
+others' parts after the second barrier) saves the third barrier that pulling needs, and each
+barrier is a point where a rank on a busy machine may wait for a peer that is not running.
 
 Sums run when their work is waited on, in launch order, on the calling thread: on CPU the
 cores are busy with backward anyway, so a helper thread (``threaded=True``) adds GIL hand-offs
@@ -40,11 +40,12 @@ before every rank arrived at it, counting tokens is enough. How a rank waits for
 :class:`towers.comm.wait.Waiter`'s: it polls (without yielding) only while recent waits were
 shorter than ``spin`` (100 us), and otherwise sleeps in ``sem_timedwait`` at once, so that a
 waiting rank leaves the core to its peers and to other jobs on a busy machine. An earlier
-version yield-polled for 1 ms on every barrier: under one busy process on 2 cores that made
-the step 2.2 times slower than sleeping (docs/performance.md). Every rank also counts its
-arrivals in the segment, so a waiter that gives up names the rank that did not arrive
-(:class:`~towers.comm.hang.PeerHang`). A blocked waiter checks that its
-peers are alive, and gives up after ``timeout`` seconds.
+version yield-polled for 1 ms on every barrier: under one busy process on 2 cores it spent
+3 to 6 times as long inside barriers as sleeping does (medians), because a rank that yields
+is runnable and so is not woken when its peer arrives (docs/performance.md). Every rank also counts
+its arrivals in the segment, so a waiter that gives up names the rank that did not arrive
+(:class:`~towers.comm.hang.PeerHang`). A blocked waiter checks that its peers are alive, and
+gives up after ``timeout`` seconds.
 
 Nothing outlives the job: rank 0 unlinks the segment file and the semaphores as soon as every
 rank has attached, so the memory is freed when the last process exits, even on ``SIGKILL``

@@ -5,13 +5,14 @@ tensor's storage to shared memory and pass it as one file descriptor of its own.
 holds one tensor per sample then needs one descriptor per sample: ``forkserver`` refuses more
 than a few hundred ("too many fds"), and other start methods hit the open-file limit ("Too many
 open files"). :func:`pack` instead pickles the arguments with every CPU storage left out
-(``persistent_id``, as ``torch.save`` does) and copies the storages, back to back, into one
+(a reduction of their own, as ``torch.save`` does) and copies the storages, back to back, into one
 shared buffer: one descriptor whatever the number of tensors, one copy of the data in the caller,
 none in the workers, whose tensors are views of the buffer. The caller's tensors are not moved.
 """
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import io
 import pickle
@@ -35,44 +36,78 @@ class Packed:
     spans: list[tuple[int, int]]  # (offset, bytes) of each storage in the buffer
 
 
-@dataclass(frozen=True)
-class _Ref:
-    index: int  # of a storage in the buffer
+class _Source:
+    """The buffer being unpacked: each storage as its own storage object, made once."""
+
+    def __init__(self, packed: Packed):
+        self.whole = packed.buffer.untyped_storage()
+        self.spans = packed.spans
+        self.made: dict[int, torch.UntypedStorage] = {}
+
+    def storage(self, i: int) -> torch.UntypedStorage:
+        if i not in self.made:
+            start, size = self.spans[i]
+            # a storage of its own size (sharing the buffer's memory): copying or saving a
+            # tensor copies its storage, which must not be the whole buffer
+            self.made[i] = self.whole[start : start + size]
+        return self.made[i]
+
+
+_SOURCE: contextvars.ContextVar[_Source] = contextvars.ContextVar("towers_unpacking")
 
 
 def _rebuild_tensor(
-    untyped: torch.UntypedStorage,
+    i: int,
     dtype: torch.dtype,
     offset: int,
-    size: torch.Size,
+    size: tuple[int, ...],
     stride: tuple[int, ...],
     requires_grad: bool,
 ) -> torch.Tensor:
+    untyped = _SOURCE.get().storage(i)
     t = torch.empty(0, dtype=dtype).set_(untyped, offset, size, stride)  # type: ignore[call-overload]
     return t.requires_grad_(requires_grad) if requires_grad else t
 
 
+def _rebuild_storage(i: int, dtype: torch.dtype | None) -> Any:
+    untyped = _SOURCE.get().storage(i)
+    if dtype is None:
+        return untyped
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO):
+    """Pickles CPU tensors and storages as references to the buffer (``reducer_override`` is
+    called for objects of non-builtin types only: cheaper than ``persistent_id``, called for
+    every object)."""
+
+    def __init__(self, file: Any):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.storages: list[torch.UntypedStorage] = []
         self.index: dict[int, int] = {}
 
     def reducer_override(self, obj: Any) -> Any:
-        # A plain dense CPU tensor, directly: torch's own reduction costs several times more,
-        # which counts for a Dataset of one small tensor per sample.
-        if (
-            type(obj) is not torch.Tensor
-            or obj.device.type != "cpu"
-            or obj.layout != torch.strided
-            or obj.is_quantized
-            or obj._backward_hooks
-            or obj.__dict__
-        ):
-            return NotImplemented
-        ref = _Ref(self._add(obj.untyped_storage()))
-        args = (ref, obj.dtype, obj.storage_offset(), obj.size(), obj.stride(), obj.requires_grad)
-        return _rebuild_tensor, args
+        kind = type(obj)
+        if kind is torch.Tensor:
+            # A plain dense CPU tensor, directly: torch's own reduction costs several times
+            # more, which counts for a Dataset of one small tensor per sample.
+            if (
+                obj.device.type != "cpu"
+                or obj.layout != torch.strided
+                or obj.is_quantized
+                or obj._backward_hooks
+                or obj.__dict__
+            ):
+                return NotImplemented
+            i = self._add(obj.untyped_storage())
+            shape = tuple(obj.shape)  # a plain tuple: torch.Size reduces in Python, per tensor
+            args = (i, obj.dtype, obj.storage_offset(), shape, obj.stride(), obj.requires_grad)
+            return _rebuild_tensor, args
+        if kind is _TYPED and obj.device.type == "cpu":
+            return _rebuild_storage, (self._add(obj._untyped_storage), obj.dtype)
+        if kind is torch.UntypedStorage and obj.device.type == "cpu":
+            return _rebuild_storage, (self._add(obj), None)
+        return NotImplemented  # pickled as usual (GPU storages by value, rebuilt on device)
 
     def _add(self, untyped: torch.UntypedStorage) -> int:
         key = untyped._cdata  # storages shared by several tensors are sent once
@@ -80,40 +115,6 @@ class _Pickler(pickle.Pickler):
             self.index[key] = len(self.storages)
             self.storages.append(untyped)
         return self.index[key]
-
-    def persistent_id(self, obj: Any) -> Any:
-        kind = type(obj)  # called for every object pickled: the common case must be cheap
-        if kind is _Ref:
-            return ("tensor", obj.index, None, False)
-        if kind is _TYPED:
-            untyped, dtype = obj._untyped_storage, obj.dtype
-        elif kind is torch.UntypedStorage:
-            untyped, dtype = obj, torch.uint8
-        else:
-            return None
-        if untyped.device.type != "cpu":
-            return None  # pickled by value (torch.save's format) and rebuilt on its device
-        return ("storage", self._add(untyped), dtype, kind is _TYPED)
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, packed: Packed):
-        super().__init__(file)
-        self.whole = packed.buffer.untyped_storage()
-        self.spans = packed.spans
-        self.made: dict[int, torch.UntypedStorage] = {}
-
-    def persistent_load(self, pid: Any) -> Any:
-        what, i, dtype, typed = pid
-        if i not in self.made:
-            start, size = self.spans[i]
-            # a storage of its own size (sharing the buffer's memory): copying or saving a
-            # tensor copies its storage, which must not be the whole buffer
-            self.made[i] = self.whole[start : start + size]
-        untyped = self.made[i]
-        if what == "tensor" or not typed:
-            return untyped
-        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
 def pack(obj: Any) -> Packed:
@@ -145,4 +146,8 @@ class _Discard:
 
 def unpack(packed: Packed) -> Any:
     """The object :func:`pack` packed; its tensors are views of the shared buffer."""
-    return _Unpickler(io.BytesIO(packed.pickled), packed).load()
+    token = _SOURCE.set(_Source(packed))
+    try:
+        return pickle.loads(packed.pickled)
+    finally:
+        _SOURCE.reset(token)

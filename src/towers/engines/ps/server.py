@@ -137,9 +137,9 @@ class Server:
             RuntimeWarning,
             stacklevel=2,
         )
+        # Nothing is sent to it: a send to a stopped process can block once its socket buffer
+        # is full. If it wakes up, its messages are ignored.
         self.lost(tower)
-        if self.state.live:
-            self.send(tower, Kind.STOP, payload=True)  # if it wakes up, it stops
         return None
 
     def elapsed(self) -> float:
