@@ -85,8 +85,16 @@ class _ElasticRun(_Run):
         self.step.replicate(self.replica.model)
 
     def _agree(self) -> None:
-        """Every member takes the state of the one that has done the most steps."""
-        done = self.comm.all_gather_object(self.done)
+        """Every member takes the state of the one that has done the most steps.
+
+        They also agree on when the loss being recovered from happened, so that a replacement
+        that joins in the same regroup records the recovery too (any member may return the
+        result).
+        """
+        views = self.comm.all_gather_object((self.done, self.lost_at))
+        done = [d for d, _ in views]
+        lost = [t for _, t in views if t is not None]
+        self.lost_at = min(lost) if lost else None
         best = max(done)
         if all(d == best for d in done):
             return
