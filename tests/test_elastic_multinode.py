@@ -34,9 +34,11 @@ def _script_module():
     return module
 
 
-def _launcher(host, master, rank: int, port: int, tmp: Path) -> subprocess.Popen[str]:
+def _launcher(
+    host, master, rank: int, port: int, tmp: Path, nproc: int = NPROC
+) -> subprocess.Popen[str]:
     args = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"),
-            "-n", str(NPROC), "--elastic", "--max-restarts", "1", "--nnodes", "2",
+            "-n", str(nproc), "--elastic", "--max-restarts", "1", "--nnodes", "2",
             "--node-rank", str(rank), "--master-addr", master.addr, "--master-port", str(port),
             "--", "--progress", str(tmp / "progress"), "--out", str(tmp / "out"),
             "--steps", str(STEPS), "--sleep", "0.08"]  # fmt: skip
@@ -72,6 +74,20 @@ def _ours(tmp: Path) -> list[int]:
     return pids
 
 
+def _reference():
+    script = _script_module()
+    model = script.build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in script.batches(STEPS):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, losses
+
+
 @pytest.mark.timeout(90)
 def test_a_worker_lost_on_node_1_leaves_the_parameters_unchanged(tmp_path):
     (tmp_path / "progress").mkdir()
@@ -100,16 +116,7 @@ def test_a_worker_lost_on_node_1_leaves_the_parameters_unchanged(tmp_path):
     finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp_path / "out").glob("*.pt")}
     # the replacement (worker 4, on node 1) joins unless the others finish before it has started
     assert set(finals) - {4} == {0, 1, 2, 3} - {lost}, why
-    script = _script_module()
-    model = script.build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for x, y in script.batches(STEPS):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    model, losses = _reference()
     for final in finals.values():
         assert final["steps"] == STEPS, why
         for name, value in model.state_dict().items():
@@ -137,3 +144,44 @@ def test_nnodes_asks_for_elastic_a_port_and_a_node_rank(capsys, tmp_path):
     assert main([*base, "--node-rank", "1"]) == 2
     assert main([*base, "--master-port", "29500", "--node-rank", "2"]) == 2
     assert "needs --master-port and --node-rank in 0..NNODES-1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(90)
+def test_a_lost_launcher_loses_its_node_and_the_other_trains_on(tmp_path):
+    """SIGKILL node 1's towers run: its worker dies with it, node 0's trains on alone."""
+    (tmp_path / "progress").mkdir()
+    (tmp_path / "out").mkdir()
+    port = random.randrange(20000, 30000)
+    with two_hosts() as (a, b):
+        nodes = [_launcher(a, a, 0, port, tmp_path, 1), _launcher(b, a, 1, port, tmp_path, 1)]
+        logs = ["", ""]
+        try:
+            progress = tmp_path / "progress"
+            deadline = time.monotonic() + 60
+            while sum(f.stat().st_size for f in progress.iterdir()) < 8:
+                assert time.monotonic() < deadline, "the job made no progress"
+                time.sleep(0.01)
+            nodes[1].kill()
+            killed_at = time.time()
+            logs[0] = nodes[0].communicate(timeout=60)[0]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+                node.communicate()
+        left = _ours(tmp_path)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert nodes[0].returncode == 0, logs[0][-3000:]
+    assert left == [], logs[0][-3000:]
+    assert "node 1's launcher has been silent for 5 s; its workers [1] are lost" in logs[0]
+    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp_path / "out").glob("*.pt")}
+    assert set(finals) == {0}
+    model, losses = _reference()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(finals[0]["model"][name], value, rtol=1e-5, atol=1e-6)
+    assert_close_lists(finals[0]["losses"], losses)
+    world = finals[0]["world"]
+    assert world == [2] * world.index(1) + [1] * (len(world) - world.index(1)), world
+    recovery = next(t for t in finals[0]["times"] if t > killed_at) - killed_at
+    print(f"recovery from a lost launcher: {recovery:.2f} s (incl. one step)")
