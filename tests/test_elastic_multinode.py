@@ -185,3 +185,33 @@ def test_a_lost_launcher_loses_its_node_and_the_other_trains_on(tmp_path):
     assert world == [2] * world.index(1) + [1] * (len(world) - world.index(1)), world
     recovery = next(t for t in finals[0]["times"] if t > killed_at) - killed_at
     print(f"recovery from a lost launcher: {recovery:.2f} s (incl. one step)")
+
+
+@pytest.mark.timeout(60)
+def test_nodes_with_different_widths_stop_with_the_reason(tmp_path):
+    """Two launchers on one host (127.0.0.1), -n 1 and -n 2: both stop at once, saying why."""
+    run = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"), "--elastic",
+           "--nnodes", "2", "--master-port", str(random.randrange(30000, 40000))]  # fmt: skip
+    script = ["--", "--progress", str(tmp_path), "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": SRC}
+    nodes = [
+        subprocess.Popen(
+            [*run, "-n", str(n), "--node-rank", str(n - 1), *script],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (1, 2)
+    ]
+    try:
+        logs = [node.communicate(timeout=40)[1] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+    assert [node.returncode for node in nodes] == [2, 2], logs
+    reason = "-n 2 here but -n 1 on node 0: every node needs the same -n"
+    assert f"towers run (node 1): {reason}" in logs[1]
+    assert f"towers run (node 0): node 1: {reason}" in logs[0]
+    assert _ours(tmp_path) == []

@@ -73,12 +73,25 @@ class _NodeSupervisor(_Supervisor):
         self.node_beats: dict[int, tuple[int, float]] = {}
         self.nodes_done: set[int] = set()
         self.told: set[str] = set()
+        self._same_width()
         if self.coordinator:
             self._publish(list(range(world)))
         for local in range(nproc):
             wid = node * nproc + local
             self.local_rank[wid] = local
             self._start(wid, joining=False)
+
+    def _same_width(self) -> None:
+        """Every node must start as many workers as node 0 (worker ids depend on it)."""
+        if self.coordinator:
+            self.store.set("nproc", str(self.nproc))
+            return
+        self.store.wait(["nproc"])
+        theirs = int(self.store.get("nproc"))
+        if theirs != self.nproc:
+            error = f"-n {self.nproc} here but -n {theirs} on node 0: every node needs the same -n"
+            self.store.set("abort", json.dumps({"node": self.node, "error": error, "code": 2}))
+            raise WorkerError(error, -1, 2)
 
     def _start(self, wid: int, joining: bool) -> None:
         env = {**os.environ, **worker_env(wid, self.workers, self.addr, self.port)}
