@@ -13,6 +13,10 @@ generations it belonged to as failed and publishes the next one without it. With
 A worker that raises is not lost but wrong: its exception fails the job, as in
 :func:`towers.spawn`. The first worker to return a result ends the job: a worker returns only
 after every member has done every step.
+
+Across hosts (``towers run --elastic --nnodes M``), :mod:`.elastic_nodes` runs one supervisor
+per host over one store, through the hooks ``_tick``, ``_announce``, ``_replace`` and
+``_admit``.
 """
 
 from __future__ import annotations
