@@ -215,3 +215,19 @@ def test_nodes_with_different_widths_stop_with_the_reason(tmp_path):
     assert f"towers run (node 1): {reason}" in logs[1]
     assert f"towers run (node 0): node 1: {reason}" in logs[0]
     assert _ours(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_never_connects_fails_the_job_after_the_timeout(tmp_path, capsys):
+    from towers.processes.elastic_nodes import run_script_nodes
+
+    args = ["--progress", str(tmp_path), "--out", str(tmp_path)]
+    port = random.randrange(40000, 50000)
+    code = run_script_nodes(
+        str(SCRIPTS / "elastic_loop.py"), 1, args, nnodes=2, node_rank=0, addr="127.0.0.1",
+        port=port, timeout=3,
+    )  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"node 1 never connected to the job's store at 127.0.0.1:{port} within 3 s" in err
+    assert _ours(tmp_path) == []

@@ -73,6 +73,7 @@ class _NodeSupervisor(_Supervisor):
         self.node_beats: dict[int, tuple[int, float]] = {}
         self.nodes_done: set[int] = set()
         self.told: set[str] = set()
+        self.launched = time.monotonic()
         self._same_width()
         if self.coordinator:
             self._publish(list(range(world)))
@@ -190,8 +191,16 @@ class _NodeSupervisor(_Supervisor):
                 continue
             count = self.store.add(f"node/{r}/beat", 0)
             seen = self.node_beats.get(r)
+            if count == 0 and now - self.launched > self.timeout:
+                raise WorkerError(
+                    f"node {r} never connected to the job's store at {self.addr}:{self.port} "
+                    f"within {self.timeout:g} s: is its towers run started, with the same "
+                    "--master-addr and --master-port, and can its host reach this address?",
+                    -1,
+                    1,
+                )
             if count == 0:
-                continue  # not started yet: its workers' absence times out in the workers
+                continue
             if seen is None or seen[0] != count:
                 self.node_beats[r] = (count, now)
             elif now - seen[1] > NODE_HANG:
