@@ -2,7 +2,8 @@
 
 Each worker grows its file in ``--progress`` by a byte per step (so the test can pick a moment
 and a victim), and every worker that finishes writes its final parameters and the losses to
-``--out``. The loop only adds ``if r.redo: continue`` to the usual own loop.
+``--out``, with the towers of each step and when it completed. The loop only adds
+``if r.redo: continue`` to the usual own loop.
 """
 
 from __future__ import annotations
@@ -42,19 +43,28 @@ def main() -> None:
     ctx = towers.init()
     model = ctx.replicate(build())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
+    losses, world, times = [], [], []
     mine = os.path.join(args.progress, f"{os.environ['RANK']}-{os.getpid()}")
     for x, y in ctx.shards(batches(args.steps)):
         with open(mine, "a") as f:
             f.write(".")
         time.sleep(args.sleep)
+        towers_now = ctx.world_size
         r = ctx.step(nn.functional.mse_loss(model(x), y), opt)
         if r.redo:  # a peer was lost: the same global batch comes again, re-split
             continue
         losses.append(r.loss)
+        world.append(towers_now)
+        times.append(time.time())
     ctx.close()
     torch.save(
-        {"model": model.state_dict(), "losses": losses, "steps": ctx.steps},
+        {
+            "model": model.state_dict(),
+            "losses": losses,
+            "steps": ctx.steps,
+            "world": world,  # towers per completed step, as this worker saw them
+            "times": times,  # when each completed
+        },
         os.path.join(args.out, f"final-{os.environ['RANK']}.pt"),
     )
 

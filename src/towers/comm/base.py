@@ -9,6 +9,7 @@ caller uses, so an engine never probes a transport with ``getattr`` or ``isinsta
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -19,6 +20,7 @@ from .hang import absent_ranks, hang_error, publish_pid
 __all__ = ["Comm", "DistComm", "LocalComm", "PeerFailure", "PeerTimeout", "PointToPoint", "Work"]
 
 _SLICE = 0.25  # seconds between checks of the interrupt while a collective waits
+_SLICE_DELTA = timedelta(seconds=_SLICE)
 
 
 class PeerFailure(RuntimeError):
@@ -144,12 +146,32 @@ class _Interruptible:
     lost, and the waiting rank raises :class:`PeerFailure` then.
     """
 
-    def __init__(self, work: Any, interrupt: threading.Event):
+    def __init__(self, work: Any, interrupt: threading.Event, sliced: bool = False):
         self.work = work
         self.interrupt = interrupt
+        self.sliced = sliced
+
+    def _wait_sliced(self) -> None:
+        # In slices on the work itself, with no Python callback: across hosts, a work left
+        # pending in an abandoned group completes (with an error) only when a peer exits,
+        # perhaps while this interpreter shuts down, and a Python callback run by Gloo's thread
+        # then aborts the process (terminate called after throwing gloo::IoException).
+        while not self.work.is_completed():
+            try:
+                self.work.wait(_SLICE_DELTA)
+                return
+            except RuntimeError:
+                if self.work.is_completed():
+                    return
+                if self.interrupt.is_set():
+                    raise PeerFailure(
+                        "a peer was lost while this rank waited in a collective"
+                    ) from None
 
     def wait(self) -> Any:
-        if not self.work.is_completed():
+        if self.sliced:
+            self._wait_sliced()
+        elif not self.work.is_completed():
             done = threading.Event()
             self.work.get_future().add_done_callback(lambda _f: done.set())
             while not done.wait(_SLICE):
@@ -182,7 +204,9 @@ class DistComm:
         group: dist.ProcessGroup | None = None,
         timeout: float | None = None,
         interrupt: threading.Event | None = None,
+        sliced: bool = False,
     ):
+        self.sliced = sliced  # wait without Python callbacks (elastic jobs across hosts)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -196,7 +220,7 @@ class DistComm:
         if self.interrupt is None:
             _NamingWork(work, self).wait()
         else:
-            _Interruptible(work, self.interrupt).wait()
+            _Interruptible(work, self.interrupt, self.sliced).wait()
 
     def name_stuck(self, exc: BaseException) -> BaseException:
         """:class:`PeerHang` naming the ranks that did not arrive, if some did not; else ``exc``.
@@ -218,7 +242,7 @@ class DistComm:
         assert work is not None
         if self.interrupt is None:
             return _NamingWork(work, self)
-        return _Interruptible(work, self.interrupt)
+        return _Interruptible(work, self.interrupt, self.sliced)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self._wait(dist.broadcast(tensor, src=src, group=self.group, async_op=True))

@@ -3,7 +3,8 @@
 When a peer is lost the old group is abandoned (its pending work is never waited on again) and a
 fresh one is built for the next generation of members (:mod:`towers.comm.membership`): a new
 Gloo process group over a new prefix of the job's store, and, for local CPU workers, a new
-shared-memory segment laid out for the survivors. The engines see an ordinary
+shared-memory segment laid out for the survivors (never across hosts: a job of several nodes,
+``GROUP_WORLD_SIZE`` > 1, sums over Gloo). The engines see an ordinary
 :class:`~towers.comm.base.Comm` whose collectives raise
 :class:`~towers.comm.base.PeerFailure` when a peer is lost.
 """
@@ -62,7 +63,8 @@ class ElasticConnection:
                 world_size=world,
                 timeout=timedelta(seconds=self.timeout),
             )
-            base = DistComm(None, self.timeout, self.membership.interrupt)
+            hosts = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+            base = DistComm(None, self.timeout, self.membership.interrupt, sliced=hosts)
             self.comm = self._transport(base)
         except PeerFailure:
             raise
@@ -70,6 +72,10 @@ class ElasticConnection:
             raise PeerFailure(f"generation {self.generation} could not form: {exc}") from None
 
     def _transport(self, base: DistComm) -> Comm:
+        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # hosts: never shared memory
+            if self.transport == "shm":
+                raise RuntimeError("transport='shm' is not available across hosts: use 'gloo'")
+            return base
         if self.transport == "gloo" or base.world_size == 1:
             return base
         try:

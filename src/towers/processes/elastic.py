@@ -13,6 +13,10 @@ generations it belonged to as failed and publishes the next one without it. With
 A worker that raises is not lost but wrong: its exception fails the job, as in
 :func:`towers.spawn`. The first worker to return a result ends the job: a worker returns only
 after every member has done every step.
+
+Across hosts (``towers run --elastic --nnodes M``), :mod:`.elastic_nodes` runs one supervisor
+per host over one store, through the hooks ``_tick``, ``_announce``, ``_replace`` and
+``_admit``.
 """
 
 from __future__ import annotations
@@ -130,11 +134,25 @@ class _Supervisor:
         addr: str,
         timeout: float,
     ):
+        self._setup(start, workers, max_restarts, hang, addr, timeout)
+        self.port = free_port(addr)
+        self.store = _host_store(addr, self.port, timeout)
+        self._publish(list(range(workers)))
+        for wid in range(workers):
+            self._start(wid, joining=False)
+
+    def _setup(
+        self,
+        start: Callable[[int, bool, dict[str, str]], Any],
+        workers: int,
+        max_restarts: int,
+        hang: float,
+        addr: str,
+        timeout: float,
+    ) -> None:
         self.start_worker, self.workers = start, workers
         self.max_restarts, self.hang, self.addr = max_restarts, hang, addr
         self.timeout = timeout
-        self.port = free_port(addr)
-        self.store = _host_store(addr, self.port, timeout)
         self.procs: dict[int, Any] = {}
         self.generations: dict[int, list[int]] = {}
         self.marked: set[int] = set()  # generations announced as failed
@@ -144,9 +162,6 @@ class _Supervisor:
         self.beats: dict[int, tuple[int, float]] = {}  # id -> (count, when it last changed)
         self.outcome = ElasticOutcome(None)
         self.next_id = workers
-        self._publish(list(range(workers)))
-        for wid in range(workers):
-            self._start(wid, joining=False)
 
     def _publish(self, members: list[int]) -> int:
         g = len(self.generations)
@@ -158,9 +173,15 @@ class _Supervisor:
         env = {**os.environ, **worker_env(wid, self.workers, self.addr, self.port)}
         self.procs[wid] = self.start_worker(wid, joining, env)
 
+    def _active(self) -> bool:
+        return bool(self.procs)
+
+    def _tick(self) -> None:
+        """Once per watch tick: nothing on one host (see :mod:`.elastic_nodes`)."""
+
     def run(self, until_all: bool = False) -> ElasticOutcome:
         """Supervise until a worker returns a result (``until_all``: until every one has)."""
-        while self.procs:
+        while self._active():
             waits = [w for handle in self.procs.values() for w in handle.waitables()]
             if waits:
                 ready = multiprocessing.connection.wait(waits, timeout=_TICK)
@@ -184,6 +205,7 @@ class _Supervisor:
                 else:
                     self._lost(wid, time.time())
             self._watch_heartbeats()
+            self._tick()
             if self.finishing:
                 self._dismiss_latecomers()
             else:
@@ -219,6 +241,11 @@ class _Supervisor:
         self.procs.pop(wid).kill()
         self.beats.pop(wid, None)
         self.outcome.dead.append(wid)
+        self._announce(wid, at)
+        self._replace(wid)
+
+    def _announce(self, wid: int, at: float) -> None:
+        """Mark the generations ``wid`` was in as failed and publish the next without it."""
         if wid in self.waiting:
             self.waiting.discard(wid)
         else:
@@ -238,6 +265,8 @@ class _Supervisor:
                         wid,
                     )
                 self._publish(survivors)
+
+    def _replace(self, wid: int) -> None:
         if self.outcome.replacements < self.max_restarts and not self.finishing:
             self.outcome.replacements += 1
             self.waiting.add(self.next_id)
@@ -328,6 +357,21 @@ class _Script:
         self.proc.wait()
 
 
+def script_starter(
+    script: str, args: Sequence[str], local_workers: int
+) -> Callable[[int, bool, dict[str, str]], _Script]:
+    """Start ``python SCRIPT ARGS`` as an elastic worker (a replacement if ``joining``)."""
+    threads = str(max(1, cpu_count() // local_workers))
+
+    def start(wid: int, joining: bool, env: dict[str, str]) -> _Script:
+        env = {**env, ELASTIC_ENV: "join" if joining else "1"}
+        env.setdefault("OMP_NUM_THREADS", threads)
+        cmd = [sys.executable, script, *args]
+        return _Script(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))
+
+    return start
+
+
 def run_script_elastic(
     script: str,
     workers: int,
@@ -343,14 +387,7 @@ def run_script_elastic(
     replacements join); one that exits non-zero fails the job. Returns 0 when every remaining
     worker has exited 0, else the failed worker's exit code.
     """
-    threads = str(max(1, cpu_count() // workers))
-
-    def start(wid: int, joining: bool, env: dict[str, str]) -> _Script:
-        env = {**env, ELASTIC_ENV: "join" if joining else "1"}
-        env.setdefault("OMP_NUM_THREADS", threads)
-        cmd = [sys.executable, script, *args]
-        return _Script(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))
-
+    start = script_starter(script, args, workers)
     sup = _Supervisor(start, workers, max_restarts, min(HANG_SECONDS, timeout), addr, timeout)
     try:
         outcome = sup.run(until_all=True)

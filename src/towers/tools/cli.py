@@ -79,16 +79,42 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     os.environ["TOWERS_MODE"] = str(mode)
+    if args.nnodes > 1 and not args.elastic:
+        print("towers run: --nnodes > 1 needs --elastic (or use torchrun)", file=sys.stderr)
+        return 2
     if args.elastic:
         from ..processes.elastic import run_script_elastic
 
         if mode.name != "sync" or args.max_restarts < 0:
             print("towers run: --elastic needs sync mode and --max-restarts >= 0", file=sys.stderr)
             return 2
+        if args.nnodes > 1:
+            return _run_nodes(args, processes)
         return run_script_elastic(
             args.script, processes, args.script_args, max_restarts=args.max_restarts
         )
     return run_script(args.script, processes, args.script_args, addr=args.addr, port=args.port)
+
+
+def _run_nodes(args: argparse.Namespace, processes: int) -> int:
+    from ..processes.elastic_nodes import run_script_nodes
+
+    if args.port is None or not 0 <= args.node_rank < args.nnodes:
+        print(
+            "towers run: --nnodes > 1 needs --master-port and --node-rank in 0..NNODES-1",
+            file=sys.stderr,
+        )
+        return 2
+    return run_script_nodes(
+        args.script,
+        processes,
+        args.script_args,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        addr=args.addr,
+        port=args.port,
+        max_restarts=args.max_restarts,
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -166,7 +192,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "run",
         help="run a script as N local workers (the torchrun environment)",
         usage="towers run SCRIPT [-n N] [--mode M] [--addr A] [--port P] "
-        "[--elastic [--max-restarts R]] -- [ARGS ...]",
+        "[--elastic [--max-restarts R] [--nnodes M --node-rank R]] -- [ARGS ...]",
         description="Start N copies of SCRIPT with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
         "MASTER_PORT set as torchrun sets them; stop them all if one fails. Arguments after -- "
         "go to the script.",
@@ -179,8 +205,24 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         help="mode for towers.train in the script (default sync); an asynchronous mode adds "
         "the parameter server as rank 0",
     )
-    run.add_argument("--addr", default="127.0.0.1", help="rendezvous address (default loopback)")
-    run.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    run.add_argument(
+        "--addr", "--master-addr", default="127.0.0.1", help="rendezvous address (default loopback)"
+    )
+    run.add_argument(
+        "--port", "--master-port", type=int, default=None, help="rendezvous port (default: free)"
+    )
+    run.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="with --elastic: hosts, one towers run on each, N workers per host (default 1)",
+    )
+    run.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="with --nnodes: this host's rank (0 hosts the store)",
+    )
     run.add_argument(
         "--elastic",
         action="store_true",

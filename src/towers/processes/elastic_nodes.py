@@ -1,0 +1,296 @@
+"""An elastic job across hosts: one ``towers run --elastic`` launcher per node, one store.
+
+``towers run --elastic --nnodes M --node-rank R --master-addr A --master-port P -n N`` starts N
+workers on each of M nodes; worker ids (first ranks) are ``R * N + local rank``. Node 0's
+launcher hosts the job's store on ``A:P`` (bound to that address only) and keeps the
+generations (:mod:`towers.comm.membership`); every launcher supervises its own workers as on
+one host (process, heartbeat, a replacement for each of its own lost workers), and tells node
+0 of a loss through the store:
+
+- ``notices`` / ``notice/<n>``: the n-th loss (a worker id and when), posted by the node that
+  killed it; node 0 marks the generations it was in as failed and publishes the next one.
+- ``restarts``: replacements started, job-wide (at most ``--max-restarts``); the n-th gets id
+  ``M * N + n - 1`` and ``node_of/<id>`` names its node. Node 0 lets it in once it is built.
+- ``finishing``: a worker has finished (every member has done every step): no more
+  replacements, and latecomers are stopped by their own node.
+- ``abort``: a worker failed (exited non-zero): every node stops its workers and exits.
+- ``node/<r>/beat``, ``node/<r>/done``: each launcher's tick counter, and that it has no
+  workers left. Node 0 keeps the store up until every node is done; a node whose launcher
+  falls silent for :data:`NODE_HANG` seconds is lost with all its workers (they die with their
+  launcher), and the others train on. A node that loses node 0 (the store) stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ..comm.membership import key, open_store
+from ..comm.rendezvous import choose_interface
+from .elastic import HANG_SECONDS, _host_store, _Supervisor, script_starter
+from .env import worker_env
+from .spawn import WorkerError
+
+__all__ = ["NODE_HANG", "run_script_nodes"]
+
+# A launcher ticks every 0.1 s; one silent this long is lost, with its node's workers.
+NODE_HANG = 5.0
+
+
+class _NodeSupervisor(_Supervisor):
+    """One node's launcher; node 0's also keeps the generations. See the module doc."""
+
+    def __init__(
+        self,
+        start: Callable[[int, bool, dict[str, str]], Any],
+        nproc: int,
+        nnodes: int,
+        node: int,
+        max_restarts: int,
+        addr: str,
+        port: int,
+        timeout: float,
+    ):
+        world = nproc * nnodes
+        self._setup(start, world, max_restarts, min(HANG_SECONDS, timeout), addr, timeout)
+        self.nproc, self.nnodes, self.node, self.port = nproc, nnodes, node, port
+        self.coordinator = node == 0
+        if self.coordinator:
+            self.store = _host_store(addr, port, timeout)
+        else:
+            self.store = open_store(addr, port, timeout)
+        self.local_rank: dict[int, int] = {}
+        self.local_new: set[int] = set()  # this node's replacements
+        self.seen = 0  # notices read (node 0)
+        self.gone: set[int] = set()  # every worker lost, job-wide (node 0)
+        self.node_beats: dict[int, tuple[int, float]] = {}
+        self.nodes_done: set[int] = set()
+        self.told: set[str] = set()
+        self.launched = time.monotonic()
+        self._same_width()
+        if self.coordinator:
+            self._publish(list(range(world)))
+        for local in range(nproc):
+            wid = node * nproc + local
+            self.local_rank[wid] = local
+            self._start(wid, joining=False)
+
+    def _same_width(self) -> None:
+        """Every node must start as many workers as node 0 (worker ids depend on it)."""
+        if self.coordinator:
+            self.store.set("nproc", str(self.nproc))
+            return
+        self.store.wait(["nproc"])
+        theirs = int(self.store.get("nproc"))
+        if theirs != self.nproc:
+            error = f"-n {self.nproc} here but -n {theirs} on node 0: every node needs the same -n"
+            self.store.set("abort", json.dumps({"node": self.node, "error": error, "code": 2}))
+            raise WorkerError(error, -1, 2)
+
+    def _start(self, wid: int, joining: bool) -> None:
+        env = {**os.environ, **worker_env(wid, self.workers, self.addr, self.port)}
+        env |= {
+            "LOCAL_RANK": str(self.local_rank[wid]),
+            "LOCAL_WORLD_SIZE": str(self.nproc),
+            "GROUP_RANK": str(self.node),
+            "GROUP_WORLD_SIZE": str(self.nnodes),
+        }
+        self.procs[wid] = self.start_worker(wid, joining, env)
+
+    def _active(self) -> bool:
+        return bool(self.procs) or (self.coordinator and len(self.nodes_done) < self.nnodes)
+
+    def _announce(self, wid: int, at: float) -> None:
+        n = self.store.add("notices", 1)
+        self.store.set(f"notice/{n}", json.dumps({"dead": wid, "at": at}))
+        if self.coordinator:
+            self._read_notices()
+
+    def _read_notices(self) -> None:
+        total = self.store.add("notices", 0)
+        while self.seen < total:
+            name = f"notice/{self.seen + 1}"
+            if not self.store.check([name]):
+                return  # still being written
+            info = json.loads(self.store.get(name))
+            self.seen += 1
+            self._forget(info["dead"], info["at"])
+
+    def _forget(self, wid: int, at: float) -> None:
+        if wid not in self.gone:
+            self.gone.add(wid)
+            super()._announce(wid, at)
+
+    def _replace(self, wid: int) -> None:
+        if self.finishing:
+            return
+        n = self.store.add("restarts", 1)
+        if n > self.max_restarts:
+            return
+        new = self.workers + n - 1
+        self.store.set(f"node_of/{new}", str(self.node))
+        self.local_rank[new] = self.local_rank[wid]
+        self.local_new.add(new)
+        self.outcome.replacements += 1
+        self._start(new, joining=True)
+
+    def _admit(self) -> None:
+        if not self.coordinator:
+            return
+        started = min(self.store.add("restarts", 0), self.max_restarts)
+        for new in range(self.workers, self.workers + started):
+            if new not in self.admitted and new not in self.gone:
+                self.waiting.add(new)
+        super()._admit()
+
+    def _dismiss_latecomers(self) -> None:
+        """Stop this node's replacements that the finished members will never take in."""
+        for wid in sorted(self.local_new & set(self.procs)):
+            formed = False
+            if self.store.check([f"join/{wid}"]):
+                g = int(self.store.get(f"join/{wid}"))
+                members = json.loads(self.store.get(key(g, "members")))
+                formed = self.store.add(key(g, "here"), 0) >= len(members)
+            if not formed:
+                self.procs.pop(wid).kill()
+
+    def _tell(self, name: str) -> None:
+        if name not in self.told:
+            self.store.set(name, "1")
+            self.told.add(name)
+
+    def _tick(self) -> None:
+        self.store.add(f"node/{self.node}/beat", 1)
+        if self.finishing:
+            self._tell("finishing")
+        elif self.store.check(["finishing"]):
+            self.finishing = True
+        if self.store.check(["abort"]):
+            info = json.loads(self.store.get("abort"))
+            raise WorkerError(f"node {info['node']}: {info['error']}", -1, info["code"])
+        if not self.procs:
+            self._tell(f"node/{self.node}/done")
+        if self.coordinator:
+            self._read_notices()
+            self._watch_nodes()
+
+    def _watch_nodes(self) -> None:
+        now = time.monotonic()
+        for r in range(self.nnodes):
+            if r in self.nodes_done:
+                continue
+            if self.store.check([f"node/{r}/done"]):
+                self.nodes_done.add(r)
+                continue
+            count = self.store.add(f"node/{r}/beat", 0)
+            seen = self.node_beats.get(r)
+            if count == 0 and now - self.launched > self.timeout:
+                raise WorkerError(
+                    f"node {r} never connected to the job's store at {self.addr}:{self.port} "
+                    f"within {self.timeout:g} s: is its towers run started, with the same "
+                    "--master-addr and --master-port, and can its host reach this address?",
+                    -1,
+                    1,
+                )
+            if count == 0:
+                continue
+            if seen is None or seen[0] != count:
+                self.node_beats[r] = (count, now)
+            elif now - seen[1] > NODE_HANG:
+                self._node_lost(r, time.time() - (now - seen[1]))
+
+    def _node_of(self, wid: int) -> int:
+        if wid < self.workers:
+            return wid // self.nproc
+        name = f"node_of/{wid}"
+        return int(self.store.get(name)) if self.store.check([name]) else -1
+
+    def _node_lost(self, r: int, at: float) -> None:
+        """Node ``r``'s launcher is silent: its workers are lost (they die with it)."""
+        self.nodes_done.add(r)
+        latest = self.generations[len(self.generations) - 1]
+        lost = [w for w in sorted(set(latest) | self.waiting) if self._node_of(w) == r]
+        print(
+            f"towers run: node {r}'s launcher has been silent for {NODE_HANG:g} s; its "
+            f"workers {lost} are lost",
+            file=sys.stderr,
+            flush=True,
+        )
+        for wid in lost:
+            self._forget(wid, at)
+
+    def fail(self, exc: WorkerError) -> None:
+        """Tell every node that the job failed (unless it learnt that from another node)."""
+        if exc.rank >= 0:
+            info = {"node": self.node, "error": str(exc), "code": exc.exitcode or 1}
+            self.store.set("abort", json.dumps(info))
+
+
+def run_script_nodes(
+    script: str,
+    nproc: int,
+    args: Sequence[str] = (),
+    *,
+    nnodes: int,
+    node_rank: int,
+    addr: str,
+    port: int,
+    max_restarts: int = 0,
+    timeout: float = 60.0,
+) -> int:
+    """One node of ``towers run --elastic --nnodes M``: supervise this node's ``nproc`` workers.
+
+    Returns 0 when every worker of this node that was not lost has exited 0 (on node 0: and
+    every other node is done), else the failed worker's exit code, or 1 if the store is lost.
+    """
+    choose_interface(addr, "gloo")  # the workers inherit GLOO_SOCKET_IFNAME
+    start = script_starter(script, args, nproc)
+    where = f"node {node_rank}"
+    sup: _NodeSupervisor | None = None
+    try:
+        sup = _NodeSupervisor(start, nproc, nnodes, node_rank, max_restarts, addr, port, timeout)
+        outcome = sup.run(until_all=True)
+    except WorkerError as exc:
+        if sup is not None:
+            with contextlib.suppress(dist.DistError):
+                sup.fail(exc)
+        print(f"towers run ({where}): {exc}", file=sys.stderr)
+        code = exc.exitcode or 1
+        return code if code > 0 else 128 - code
+    except OSError as exc:  # node 0 cannot listen on addr:port
+        print(
+            f"towers run ({where}): cannot host the job's store on {addr}:{port}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    except dist.DistError as exc:
+        print(
+            f"towers run ({where}): lost the job's store at {addr}:{port} (node 0's towers run "
+            f"ended or cannot be reached): stopping this node's workers ({exc})".splitlines()[0],
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        if sup is not None:
+            sup.stop()
+    if sup.coordinator and sup.gone:
+        replaced = min(sup.store.add("restarts", 0), max_restarts)
+        print(
+            f"towers run: workers {sorted(sup.gone)} were lost, {replaced} replaced; the others "
+            "trained on",
+            file=sys.stderr,
+        )
+    elif outcome.dead:
+        print(
+            f"towers run ({where}): this node's workers {outcome.dead} were lost, "
+            f"{outcome.replacements} replaced",
+            file=sys.stderr,
+        )
+    return 0

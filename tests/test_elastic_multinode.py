@@ -1,0 +1,233 @@
+"""Elastic across hosts: ``towers run --elastic --nnodes 2``, one launcher in each of two network
+namespaces joined by a veth pair (tests/netns.py), and a worker of node 1 killed midway.
+
+The survivors on both nodes regroup, a replacement started by node 1 may join, and the trained
+parameters equal a plain single-process loop. The test finds its victim through the progress
+files the script writes (``<id>-<pid>``) and kills it with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_close_lists
+from netns import two_hosts
+
+SCRIPTS = Path(__file__).parent / "scripts"
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+NPROC, STEPS = 2, 40
+
+
+def _script_module():
+    spec = importlib.util.spec_from_file_location("elastic_loop", SCRIPTS / "elastic_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _launcher(
+    host, master, rank: int, port: int, tmp: Path, nproc: int = NPROC
+) -> subprocess.Popen[str]:
+    args = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"),
+            "-n", str(nproc), "--elastic", "--max-restarts", "1", "--nnodes", "2",
+            "--node-rank", str(rank), "--master-addr", master.addr, "--master-port", str(port),
+            "--", "--progress", str(tmp / "progress"), "--out", str(tmp / "out"),
+            "--steps", str(STEPS), "--sleep", "0.08"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOO_", "MASTER_"))}
+    env |= {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    return host.popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _kill_on_node_1(progress: Path, after: int, deadline: float) -> tuple[int, float]:
+    """SIGKILL a worker of node 1 once the workers have made ``after`` steps in all."""
+    while time.monotonic() < deadline:
+        files = list(progress.iterdir())
+        if sum(f.stat().st_size for f in files) >= after:
+            mine = sorted(f.name for f in files if int(f.name.split("-")[0]) >= NPROC)
+            if mine:
+                victim = random.choice(mine)
+                os.kill(int(victim.split("-")[1]), signal.SIGKILL)
+                return int(victim.split("-")[0]), time.time()
+        time.sleep(0.01)
+    raise AssertionError("the job made no progress")
+
+
+def _ours(tmp: Path) -> list[int]:
+    """Processes still running that belong to this test's job (found by their command line)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if str(tmp).encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _reference():
+    script = _script_module()
+    model = script.build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in script.batches(STEPS):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, losses
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_lost_on_node_1_leaves_the_parameters_unchanged(tmp_path):
+    (tmp_path / "progress").mkdir()
+    (tmp_path / "out").mkdir()
+    port = random.randrange(20000, 30000)
+    with two_hosts() as (a, b):
+        nodes = [_launcher(a, a, 0, port, tmp_path), _launcher(b, a, 1, port, tmp_path)]
+        logs = []
+        try:
+            after = random.randrange(2 * NPROC * 2, 8 * NPROC * 2)  # steps 2..7 of 4 workers
+            lost, killed_at = _kill_on_node_1(tmp_path / "progress", after, time.monotonic() + 60)
+            logs = [node.communicate(timeout=60)[0] for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+                    node.communicate()
+        left = _ours(tmp_path)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    why = f"lost worker {lost} after {after} calls:\n" + "\n".join(log[-3000:] for log in logs)
+    assert [node.returncode for node in nodes] == [0, 0], why
+    assert left == [], why
+    assert f"workers [{lost}] were lost, 1 replaced" in logs[0], why
+
+    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp_path / "out").glob("*.pt")}
+    # the replacement (worker 4, on node 1) joins unless the others finish before it has started
+    assert set(finals) - {4} == {0, 1, 2, 3} - {lost}, why
+    model, losses = _reference()
+    for final in finals.values():
+        assert final["steps"] == STEPS, why
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(final["model"][name], value, rtol=1e-5, atol=1e-6)
+    first = finals[0]
+    assert_close_lists(first["losses"], losses)
+    # 4 towers, then 3 from the loss on (both nodes), then 4 again if the replacement joined
+    world = first["world"]
+    k = world.index(3)
+    back = world.index(4, k) if 4 in world[k:] else len(world)
+    assert world == [4] * k + [3] * (back - k) + [4] * (len(world) - back), world
+    assert (4 in finals) == (back < len(world)), why
+    recovery = next(t for t in first["times"] if t > killed_at) - killed_at
+    print(f"recovery across hosts: {recovery:.2f} s (incl. one step); world {world}")
+
+
+def test_nnodes_asks_for_elastic_a_port_and_a_node_rank(capsys, tmp_path):
+    from towers.tools.cli import main
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    assert main(["run", str(script), "--nnodes", "2", "--master-port", "29500"]) == 2
+    assert "--nnodes > 1 needs --elastic (or use torchrun)" in capsys.readouterr().err
+    base = ["run", str(script), "--elastic", "--nnodes", "2"]
+    assert main([*base, "--node-rank", "1"]) == 2
+    assert main([*base, "--master-port", "29500", "--node-rank", "2"]) == 2
+    assert "needs --master-port and --node-rank in 0..NNODES-1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(90)
+def test_a_lost_launcher_loses_its_node_and_the_other_trains_on(tmp_path):
+    """SIGKILL node 1's towers run: its worker dies with it, node 0's trains on alone."""
+    (tmp_path / "progress").mkdir()
+    (tmp_path / "out").mkdir()
+    port = random.randrange(20000, 30000)
+    with two_hosts() as (a, b):
+        nodes = [_launcher(a, a, 0, port, tmp_path, 1), _launcher(b, a, 1, port, tmp_path, 1)]
+        logs = ["", ""]
+        try:
+            progress = tmp_path / "progress"
+            deadline = time.monotonic() + 60
+            while sum(f.stat().st_size for f in progress.iterdir()) < 8:
+                assert time.monotonic() < deadline, "the job made no progress"
+                time.sleep(0.01)
+            nodes[1].kill()
+            killed_at = time.time()
+            logs[0] = nodes[0].communicate(timeout=60)[0]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+                node.communicate()
+        left = _ours(tmp_path)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert nodes[0].returncode == 0, logs[0][-3000:]
+    assert left == [], logs[0][-3000:]
+    assert "node 1's launcher has been silent for 5 s; its workers [1] are lost" in logs[0]
+    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp_path / "out").glob("*.pt")}
+    assert set(finals) == {0}
+    model, losses = _reference()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(finals[0]["model"][name], value, rtol=1e-5, atol=1e-6)
+    assert_close_lists(finals[0]["losses"], losses)
+    world = finals[0]["world"]
+    assert world == [2] * world.index(1) + [1] * (len(world) - world.index(1)), world
+    recovery = next(t for t in finals[0]["times"] if t > killed_at) - killed_at
+    print(f"recovery from a lost launcher: {recovery:.2f} s (incl. one step)")
+
+
+@pytest.mark.timeout(60)
+def test_nodes_with_different_widths_stop_with_the_reason(tmp_path):
+    """Two launchers on one host (127.0.0.1), -n 1 and -n 2: both stop at once, saying why."""
+    run = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"), "--elastic",
+           "--nnodes", "2", "--master-port", str(random.randrange(30000, 40000))]  # fmt: skip
+    script = ["--", "--progress", str(tmp_path), "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": SRC}
+    nodes = [
+        subprocess.Popen(
+            [*run, "-n", str(n), "--node-rank", str(n - 1), *script],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (1, 2)
+    ]
+    try:
+        logs = [node.communicate(timeout=40)[1] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+    assert [node.returncode for node in nodes] == [2, 2], logs
+    reason = "-n 2 here but -n 1 on node 0: every node needs the same -n"
+    assert f"towers run (node 1): {reason}" in logs[1]
+    assert f"towers run (node 0): node 1: {reason}" in logs[0]
+    assert _ours(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_never_connects_fails_the_job_after_the_timeout(tmp_path, capsys):
+    from towers.processes.elastic_nodes import run_script_nodes
+
+    args = ["--progress", str(tmp_path), "--out", str(tmp_path)]
+    port = random.randrange(40000, 50000)
+    code = run_script_nodes(
+        str(SCRIPTS / "elastic_loop.py"), 1, args, nnodes=2, node_rank=0, addr="127.0.0.1",
+        port=port, timeout=3,
+    )  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"node 1 never connected to the job's store at 127.0.0.1:{port} within 3 s" in err
+    assert _ours(tmp_path) == []
