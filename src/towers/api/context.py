@@ -303,26 +303,10 @@ class Context:
 def init(
     *, backend: str | None = None, timeout: float | None = None, transport: str | None = None
 ) -> Context:
-    """Join the job this process was launched into and return its :class:`Context`.
+    """Join a (non-elastic) job and return its :class:`Context`; see :func:`towers.init`.
 
-    Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-    ``MASTER_PORT``), set by ``torchrun``, ``towers run`` and :func:`towers.spawn`, and joins the
-    process group over env:// (Gloo on CPU, NCCL when CUDA is available). Without those variables
-    the process is a world of one and no process group is created.
-
-    Args:
-        backend: ``"gloo"`` or ``"nccl"``; chosen from the hardware by default.
-        timeout: seconds a rank may wait for the others (rendezvous or a collective) before
-            the job fails; default 60. A dead or stuck worker thus ends the job instead of
-            hanging it.
-        transport: how gradients are averaged: ``"shm"`` (shared memory; every rank on this
-            host, CPU tensors), ``"gloo"``/``"nccl"`` (the process group), or ``"auto"``
-            (default, or the ``TOWERS_TRANSPORT`` environment variable): shared memory where it
-            applies, the process group otherwise. Every rank must ask for the same one.
-
-    Example:
-        >>> ctx = towers.init()
-        >>> model = ctx.replicate(build_model())  # doctest: +SKIP
+    Args are as :func:`towers.init`'s (``api/join.py``), which calls this unless the job was
+    started by ``towers run --elastic``.
     """
     mode = os.environ.get("TOWERS_MODE", "sync")
     if mode != "sync":
