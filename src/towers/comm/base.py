@@ -8,7 +8,9 @@ caller uses, so an engine never probes a transport with ``getattr`` or ``isinsta
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -216,11 +218,24 @@ class DistComm:
         if self._store is not None:
             publish_pid(self._store, self.rank)
 
-    def _wait(self, work: Any) -> None:
+    def _work(self, work: Any) -> Work:
+        """``work`` whose failure names the stuck ranks, or, elastic, can be interrupted."""
         if self.interrupt is None:
-            _NamingWork(work, self).wait()
-        else:
-            _Interruptible(work, self.interrupt, self.sliced).wait()
+            return _NamingWork(work, self)
+        return _Interruptible(work, self.interrupt, self.sliced)
+
+    def _wait(self, work: Any) -> None:
+        self._work(work).wait()
+
+    @contextlib.contextmanager
+    def _object_errors(self) -> Iterator[None]:
+        """An object collective's failure, as :class:`PeerFailure` in elastic jobs."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if self.interrupt is None:
+                raise
+            raise _peer_failure(exc) from None
 
     def name_stuck(self, exc: BaseException) -> BaseException:
         """:class:`PeerHang` naming the ranks that did not arrive, if some did not; else ``exc``.
@@ -240,31 +255,21 @@ class DistComm:
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         assert work is not None
-        if self.interrupt is None:
-            return _NamingWork(work, self)
-        return _Interruptible(work, self.interrupt, self.sliced)
+        return self._work(work)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self._wait(dist.broadcast(tensor, src=src, group=self.group, async_op=True))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        try:
+        with self._object_errors():
             dist.all_gather_object(out, obj, group=self.group)
-        except RuntimeError as exc:
-            if self.interrupt is None:
-                raise
-            raise _peer_failure(exc) from None
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj if self.rank == src else None]
-        try:
+        with self._object_errors():
             dist.broadcast_object_list(box, src=src, group=self.group)
-        except RuntimeError as exc:
-            if self.interrupt is None:
-                raise
-            raise _peer_failure(exc) from None
         return box[0]
 
     def barrier(self) -> None:

@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 
 from .base import Comm, DistComm, LocalComm, PeerFailure
-from .group import DEFAULT_TIMEOUT
+from .group import DEFAULT_TIMEOUT, shm_or_group
 from .membership import Membership, key
-from .shm import ShmComm, ShmUnavailable
 
 __all__ = ["ElasticConnection"]
 
@@ -40,6 +39,7 @@ class ElasticConnection:
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.membership = Membership(addr, port, self.id, self.timeout)
         self.joining = joining
+        self.hosts = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1  # a job across hosts
         self.comm: Comm = LocalComm()
         self.device = torch.device("cpu")
         self.generation = -1
@@ -63,8 +63,7 @@ class ElasticConnection:
                 world_size=world,
                 timeout=timedelta(seconds=self.timeout),
             )
-            hosts = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
-            base = DistComm(None, self.timeout, self.membership.interrupt, sliced=hosts)
+            base = DistComm(None, self.timeout, self.membership.interrupt, sliced=self.hosts)
             self.comm = self._transport(base)
         except PeerFailure:
             raise
@@ -72,18 +71,11 @@ class ElasticConnection:
             raise PeerFailure(f"generation {self.generation} could not form: {exc}") from None
 
     def _transport(self, base: DistComm) -> Comm:
-        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # hosts: never shared memory
+        if self.hosts:  # never shared memory across hosts
             if self.transport == "shm":
                 raise RuntimeError("transport='shm' is not available across hosts: use 'gloo'")
             return base
-        if self.transport == "gloo" or base.world_size == 1:
-            return base
-        try:
-            return ShmComm(base, timeout=self.timeout, interrupt=self.membership.interrupt)
-        except ShmUnavailable as exc:
-            if self.transport == "shm":
-                raise RuntimeError(f"transport='shm' is not available: {exc}") from None
-            return base
+        return shm_or_group(base, self.transport, self.timeout, self.membership.interrupt)
 
     def _abandon(self) -> None:
         # A broken group's pending work is dropped, not waited on: its lost peer was killed

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -164,12 +165,17 @@ def connect(
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     wait = DEFAULT_TIMEOUT if timeout is None else timeout
-    comm = _transport(DistComm(group, wait), transport, timeout)
+    comm = shm_or_group(DistComm(group, wait), transport, wait)
     return Connection(comm, device, local_rank, owns_group)
 
 
-def _transport(base: DistComm, transport: str, timeout: float | None) -> Comm:
-    """Shared memory when asked for, or when ``auto`` and it applies; else the process group."""
+def shm_or_group(
+    base: DistComm, transport: str, timeout: float, interrupt: threading.Event | None = None
+) -> Comm:
+    """Shared memory when asked for, or when ``auto`` and it applies; else the process group.
+
+    ``interrupt`` (elastic jobs) lets a waiting shared-memory collective be interrupted.
+    """
     if transport in ("gloo", "nccl") or base.world_size == 1:
         return base
     gloo = dist.get_backend(base.group) == "gloo"
@@ -181,7 +187,7 @@ def _transport(base: DistComm, transport: str, timeout: float | None) -> Comm:
             f"{dist.get_backend(base.group)} (GPU): use transport='auto' or 'nccl'"
         )
     try:
-        return ShmComm(base, timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
+        return ShmComm(base, timeout=timeout, interrupt=interrupt)
     except ShmUnavailable as exc:
         if transport == "shm":
             raise RuntimeError(f"transport='shm' is not available: {exc}") from None
