@@ -67,7 +67,7 @@ def digest(state: Any) -> str:
             t = value.detach().cpu().contiguous()
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
             if t.numel():
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # read in place, not copied
         elif isinstance(value, dict):
             h.update(f"D{len(value)}".encode())
             for key in sorted(value, key=lambda k: (type(k).__name__, repr(k))):

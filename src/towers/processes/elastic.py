@@ -311,14 +311,12 @@ def supervise(
         Exception: what a worker raised.
     """
     ctx = _context()
-    packed = {False: pack((fn, (*args, False)))}  # one shared buffer for every tensor
+    packed = pack((fn, args))  # one shared buffer for every tensor, for first and replacements
 
     def start(wid: int, joining: bool, env: dict[str, str]) -> _Forked:
-        if joining not in packed:
-            packed[joining] = pack((fn, (*args, joining)))
         recv, send = ctx.Pipe(duplex=False)
         # Not daemonic, as in spawn: a worker may start DataLoader processes of its own.
-        p = ctx.Process(target=_worker_main, args=(env, send, packed[joining]), daemon=False)
+        p = ctx.Process(target=_worker_main, args=(env, send, packed, joining), daemon=False)
         p.start()
         send.close()
         return _Forked(p, recv)

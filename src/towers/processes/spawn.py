@@ -47,7 +47,7 @@ class WorkerError(RuntimeError):
 
 
 def _worker_main(
-    env: dict[str, str], conn: multiprocessing.connection.Connection, packed: Packed
+    env: dict[str, str], conn: multiprocessing.connection.Connection, packed: Packed, *extra: Any
 ) -> None:
     # The forkserver's environment is the caller's as it was when the server started: give the
     # worker the caller's environment as it is now, plus the launcher's variables.
@@ -57,7 +57,7 @@ def _worker_main(
     set_worker_threads(int(env["LOCAL_WORLD_SIZE"]))
     try:
         fn, args = unpack(packed)
-        payload: tuple[Any, ...] = ("ok", fn(*args))
+        payload: tuple[Any, ...] = ("ok", fn(*args, *extra))
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too
         payload = ("error", exc, traceback.format_exc())
     finally:

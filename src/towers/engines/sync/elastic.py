@@ -168,6 +168,7 @@ class _ElasticRun(_Run):
                     generation, entered = self.conn.generation + 1, False
         finally:
             self.reporter.close()
+            self.fetcher.close()  # evaluation's loaders, as the plain loop does
         self.record.seconds += time.perf_counter() - self.start
 
 
