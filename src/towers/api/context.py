@@ -151,8 +151,7 @@ class Context:
         The accumulated gradients are averaged, weighted by samples, at the next
         :meth:`backward` or :meth:`step`.
         """
-        if not self._accumulated:
-            self._check_no_stale_grads()
+        self._check_no_stale_grads()  # before the step's first micro-batch only
         self._backward(loss, self._weight(samples))
         self._accumulated = True
 

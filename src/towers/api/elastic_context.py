@@ -72,7 +72,6 @@ class ElasticContext(Context):
     def _regroup(self, model_ready: bool = True) -> None:
         """Form the next generation (retrying while peers are lost) and agree on the state."""
         while True:
-            failed = False
             try:
                 self._step.remove()
                 self._econn.join(self._generation)
@@ -81,8 +80,6 @@ class ElasticContext(Context):
                     self._agree()
                 return
             except PeerFailure:
-                failed = True
-            if failed:
                 self._generation = self._econn.generation + 1
 
     def _agree(self) -> None:

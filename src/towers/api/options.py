@@ -144,20 +144,9 @@ def preflight_eval(job: Job, workers: int) -> None:
         return
     first = split(torch.arange(min(job.batch_size, num_samples(job.eval_data))), workers)[0]
     if is_dataset(job.eval_data):
-        probe: Any = _Subset(job.eval_data, first.tolist())
+        probe: Any = torch.utils.data.Subset(job.eval_data, first.tolist())
     else:
         probe = take(job.eval_data, first)
     small = dataclasses.replace(job, eval_data=probe, num_workers=0)
     with torch.random.fork_rng(devices=[]):
         combine([evaluate(small, copy.deepcopy(job.model), torch.device("cpu"), 0, 1)])
-
-
-class _Subset(torch.utils.data.Dataset[Any]):
-    def __init__(self, data: Any, indices: list[int]):
-        self.data, self.indices = data, indices
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.data[self.indices[i]]

@@ -39,7 +39,8 @@ from ..engines.job import (
     ScheduleFactory,
 )
 from ..engines.job import default_optimizer as _default_optimizer
-from ..engines.run import load_resume, run_elastic, run_job
+from ..engines.run import load_resume, run_job
+from ..engines.sync.elastic import elastic_loop
 from ..processes.elastic import HANG_SECONDS, supervise
 from ..processes.guard import check_main_guard
 from ..processes.lifeline import Terminated, sigterm_interrupts, stopped_line
@@ -166,9 +167,6 @@ def train(
             DataLoader's ``default_collate``.
         num_workers: data-loading processes per tower (a DataLoader over the tower's samples,
             fetching ahead; see docs/training.md); 0 loads in the tower's process.
-        transport: how sync workers average: ``"shm"`` (shared memory, local CPU workers),
-            ``"gloo"``, ``"nccl"``, or ``"auto"`` (the default: shared memory when every worker
-            is on this host with CPU tensors); also set by ``TOWERS_TRANSPORT``.
         sync_batchnorm: BatchNorm layers normalise over the whole global batch (statistics
             summed over the towers, weighted by samples), so that training and running
             statistics equal one process's (sync mode; every global batch needs at least one
@@ -337,7 +335,7 @@ def _launch_with_restarts(
         # Elastic: lost workers are dropped or replaced while the others train on.
         timeout = DEFAULT_TIMEOUT if job.timeout is None else job.timeout
         outcome = supervise(
-            run_elastic,
+            elastic_loop,
             workers,
             job,
             load_resume(job, workers),

@@ -15,10 +15,9 @@ from ..core.data import BatchOrder, num_samples
 from . import checkpoint
 from .job import EngineResult, Job
 from .ps import check_resumable, run_ps
-from .sync.elastic import elastic_loop
 from .sync.loop import sync_loop
 
-__all__ = ["load_resume", "run_elastic", "run_job"]
+__all__ = ["load_resume", "run_job"]
 
 
 def run_job(job: Job, resume: dict[str, Any] | None) -> EngineResult | None:
@@ -35,11 +34,6 @@ def run_job(job: Job, resume: dict[str, Any] | None) -> EngineResult | None:
         return sync_loop(job, conn, resume)
     finally:
         conn.close()
-
-
-def run_elastic(job: Job, resume: dict[str, Any] | None, joining: bool) -> EngineResult:
-    """Train ``job`` as a worker of an elastic job (``joining``: a replacement)."""
-    return elastic_loop(job, resume, joining)
 
 
 def load_resume(job: Job, workers: int) -> dict[str, Any] | None:

@@ -9,13 +9,13 @@ core (2 to 4) — and prints the median time of a step of each side by side.
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import dataclass
 
 import torch
 
 from ..api.train import train
+from ..processes.env import cpu_count
 from .zoo import cross_entropy, mlp
 
 __all__ = ["SpeedRow", "measure_speed", "print_speed"]
@@ -28,10 +28,6 @@ class SpeedRow:
     label: str
     seconds: float  # the median step
     final_loss: float
-
-
-def _cores() -> int:
-    return max(1, len(os.sched_getaffinity(0)))
 
 
 def _run(
@@ -60,7 +56,7 @@ def measure_speed(steps: int) -> list[SpeedRow]:
         torch.randn(2 * BATCH, 784, generator=g),
         torch.randint(0, 10, (2 * BATCH,), generator=g),
     )
-    cores = min(4, max(2, _cores()))  # a short demo: at most 4 workers
+    cores = min(4, max(2, cpu_count()))  # a short demo: at most 4 workers
     rows = []
     for label, threads, workers in [
         ("1 process, 1 thread", 1, 1),
