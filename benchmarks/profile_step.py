@@ -28,8 +28,9 @@ import torch.distributed as dist
 import towers
 from towers.comm import shm as _shm
 from towers.comm.base import DistComm
-from towers.comm.group import init_process_group
-from towers.engines.sync.step import SyncStep
+from towers.comm.group import Connection, init_process_group
+from towers.engines.sync.driver import SyncDriver
+from towers.engines.sync.group import PlainGroup
 from towers.tools import bench
 
 PHASES = ("forward", "backward", "average", "optimizer", "step", "sums", "barrier waits")
@@ -75,7 +76,7 @@ def _worker(name: str, setting: str, warmup: int, steps: int) -> list[float]:
     _Clock.install()
     init_process_group("gloo")
     comm = _comm(setting)
-    step = SyncStep(comm, torch.device("cpu"))
+    step = SyncDriver(PlainGroup(Connection(comm, torch.device("cpu"))))
     model = step.replicate(bench._build(name))
     world, rank = comm.world_size, comm.rank
     shards = [towers.split(b, world)[rank] for b in bench._batches(name)]

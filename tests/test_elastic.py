@@ -78,7 +78,9 @@ class Saboteur(threading.Thread):
             self.hit.append((int(victim.name.split("-")[0]), sig))
 
 
-def _run_with_faults(tmp_path, *, workers, transport, faults, restarts, seed):
+def _run_with_faults(
+    tmp_path, *, workers, transport, faults, restarts, seed, build=make_net, wrap=None, **train_kw
+):
     rng = random.Random(seed)
     x, y = _data()
     steps, batch = 24, 16
@@ -90,9 +92,9 @@ def _run_with_faults(tmp_path, *, workers, transport, faults, restarts, seed):
     saboteur.start()
     try:
         result = towers.train(
-            make_net(),
+            build(),
             functools.partial(traced_mse, str(progress)),
-            (x, y),
+            (x, y) if wrap is None else wrap(x, y),
             batch_size=batch,
             steps=steps,
             workers=workers,
@@ -101,11 +103,12 @@ def _run_with_faults(tmp_path, *, workers, transport, faults, restarts, seed):
             transport=transport,
             timeout=30,
             progress=False,
+            **train_kw,
         )
     finally:
         saboteur.stop.set()
         saboteur.join()
-    reference = make_net()
+    reference = build()
     losses, _, _ = reference_loop(
         reference,
         (x, y),
@@ -149,6 +152,50 @@ def test_lost_workers_leave_the_parameters_unchanged(
     for step, seconds in result.recoveries:
         assert 0 <= step < 24 and 0 <= seconds < 20, why
     assert result.samples == sum(min(16, 90 - 16 * (k % 6)) for k in range(24))
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def bn_net() -> torch.nn.Module:
+    torch.manual_seed(5)
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    )
+
+
+@pytest.mark.timeout(90)
+def test_sync_batchnorm_and_loader_processes_survive_a_lost_worker(tmp_path):
+    """BatchNorm over the global batch and planned loader processes follow the regroup."""
+    seed = random.randrange(1 << 30)
+    result, reference, losses, hit = _run_with_faults(
+        tmp_path,
+        workers=3,
+        transport="shm",
+        faults=[signal.SIGKILL],
+        restarts=1,
+        seed=seed,
+        build=bn_net,
+        wrap=Pairs,
+        sync_batchnorm=True,
+        num_workers=1,
+    )
+    why = f"seed {seed}, faults {hit}, world {result.world}"
+    assert len(hit) == 1 and result.dead_workers == [hit[0][0]], why
+    assert min(result.world) == 2, why
+    for (name, value), expected in zip(
+        result.model.state_dict().items(), reference.state_dict().values(), strict=True
+    ):  # parameters and the running statistics alike
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=name)
+    assert_close_lists(result.losses, losses)
 
 
 def test_elastic_is_refused_outside_sync_mode(monkeypatch):
@@ -214,8 +261,12 @@ def _script_module():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("fault", "restarts"), [(signal.SIGKILL, 1)])
-def test_own_loop_under_towers_run_elastic_loses_a_worker_exactly(tmp_path, fault, restarts):
+@pytest.mark.parametrize(
+    ("fault", "restarts", "batchnorm"), [(signal.SIGKILL, 1, False), (signal.SIGKILL, 0, True)]
+)
+def test_own_loop_under_towers_run_elastic_loses_a_worker_exactly(
+    tmp_path, fault, restarts, batchnorm
+):
     seed = random.randrange(1 << 30)
     progress, out = tmp_path / "progress", tmp_path / "out"
     progress.mkdir()
@@ -226,6 +277,7 @@ def test_own_loop_under_towers_run_elastic_loses_a_worker_exactly(tmp_path, faul
     cmd = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"), "-n", "3"]
     cmd += ["--elastic", "--max-restarts", str(restarts), "--"]
     cmd += ["--progress", str(progress), "--out", str(out), "--steps", "40", "--sleep", "0.1"]
+    cmd += ["--batchnorm"] if batchnorm else []
     env = {**os.environ, "PYTHONPATH": str(Path(towers.__file__).parents[1])}
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
@@ -239,10 +291,10 @@ def test_own_loop_under_towers_run_elastic_loses_a_worker_exactly(tmp_path, faul
     finals = {int(p.stem.split("-")[1]): torch.load(p) for p in out.glob("final-*.pt")}
     # the replacement (worker 3) joins unless the others finish before it has started
     assert set(finals) - {3} == {0, 1, 2} - {lost}, why
-    assert f"workers [{lost}] were lost, 1 replaced" in done.stderr, why
+    assert f"workers [{lost}] were lost, {restarts} replaced" in done.stderr, why
 
     script = _script_module()
-    model = script.build()
+    model = script.build(batchnorm)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for x, y in script.batches(40):

@@ -9,6 +9,7 @@ update per step) or asynchronously (a parameter server). Runs on one machine wit
 The names below are the public API; the subpackages are internal (docs/architecture.md).
 """
 
+from . import transforms
 from .api.context import Context
 from .api.join import init
 from .api.result import TrainResult
@@ -30,6 +31,7 @@ __all__ = [
     "spawn",
     "split",
     "train",
+    "transforms",
 ]
 
 __version__ = "0.1.0"

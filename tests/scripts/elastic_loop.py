@@ -27,9 +27,10 @@ def batches(steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]
     return out
 
 
-def build() -> nn.Module:
+def build(batchnorm: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    norm = [nn.BatchNorm1d(8)] if batchnorm else []
+    return nn.Sequential(nn.Linear(3, 8), *norm, nn.Tanh(), nn.Linear(8, 1))
 
 
 def main() -> None:
@@ -38,10 +39,11 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.03, help="seconds per step")
     parser.add_argument("--progress", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--batchnorm", action="store_true", help="with sync_batchnorm=True")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = towers.init()
-    model = ctx.replicate(build())
+    model = ctx.replicate(build(args.batchnorm), sync_batchnorm=args.batchnorm)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses, world, times = [], [], []
     mine = os.path.join(args.progress, f"{os.environ['RANK']}-{os.getpid()}")

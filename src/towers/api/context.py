@@ -1,18 +1,31 @@
 """The low-level API for users who keep their own training loop: ``towers.init()``.
 
 A script written against it runs unchanged as ``python script.py`` (one tower), under
-``towers run script.py -n N`` and under ``torchrun --nproc-per-node N script.py``. The step
-itself is the synchronous engine's (:class:`~towers.engines.sync.step.SyncStep`), the same one
-``towers.train`` uses.
+``towers run script.py -n N``, under ``torchrun --nproc-per-node N script.py`` and under
+``towers run --elastic``. The step itself is the synchronous engine's
+(:class:`~towers.engines.sync.driver.SyncDriver`), the same one ``towers.train`` uses, over the
+job's group (:mod:`towers.engines.sync.group`): a fixed one, or an elastic one that survives
+lost workers.
 
 Every step checks, inside the metadata it already sends, that all ranks are at the same step
 and, for shards taken with :meth:`Context.shards`, that their global batches have the same size
 and fingerprint (:mod:`towers.core.agree`). A rank that cuts its shards itself can only be
 checked for its step counter: it never sees the global batch.
+
+Under ``towers run --elastic`` (docs/elastic.md), when a peer is lost during ``ctx.step`` the
+step regroups the survivors and returns a result with ``redo=True`` (and no update);
+``ctx.shards`` then yields this tower's part of the *same* global batch, split over the
+survivors. The loop must only skip what it does after a step when ``r.redo`` is true (a
+schedule's ``step()``, logging). A replacement receives the parameters, buffers, optimizer
+state and the position in ``ctx.shards`` from a live peer; a learning-rate schedule the loop
+builds itself is not sent, so build it from ``ctx.steps`` (e.g. ``LambdaLR(opt, lambda _:
+f(ctx.steps))``) if replacements may join.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -21,16 +34,16 @@ import torch
 from torch import nn
 
 from ..comm.base import Comm
-from ..comm.group import Connection, connect
 from ..core.agree import BatchStamp, fingerprint, mean_vector, weighted_means
-from ..core.args import check_timeout
 from ..core.split import batch_size, map_batch, split
 from ..core.step import StepResult
 from ..engines import checkpoint
-from ..engines.replica import backward_weighted, check_loss, cpu_state
+from ..engines.replica import check_loss, cpu_state
+from ..engines.sync.driver import SyncDriver
 from ..engines.sync.gradsync import DEFAULT_BUCKET_BYTES
-from ..engines.sync.step import SyncStep
+from ..engines.sync.group import Group
 from ..engines.syncbn import convert_batchnorm
+from ..engines.transforms import GradientTransform
 from .mistakes import (
     BACKWARD_TWICE,
     refuse_distributed_sampler,
@@ -38,7 +51,7 @@ from .mistakes import (
     warn_unsynced_buffers,
 )
 
-__all__ = ["Context", "init"]
+__all__ = ["Context"]
 
 Batch = TypeVar("Batch")
 
@@ -47,29 +60,70 @@ class Context:
     """This process's place in the job and the synchronous step.
 
     Get one from :func:`towers.init`. Attributes: ``rank``, ``world_size``, ``local_rank``,
-    ``device`` (``cuda:LOCAL_RANK`` under NCCL, else CPU) and ``is_main`` (rank 0).
+    ``device`` (``cuda:LOCAL_RANK`` under NCCL, else CPU), ``is_main`` (rank 0) and ``steps``
+    (global batches completed).
     """
 
-    def __init__(self, conn: Connection):
-        self._conn = conn
-        self.rank = conn.comm.rank
-        self.world_size = conn.comm.world_size
-        self.local_rank = conn.local_rank
-        self.device = conn.device
+    def __init__(self, group: Group):
+        self._group = group
+        self.local_rank = group.local_rank
+        self.device = group.device
         self.steps = 0
-        self._step = SyncStep(conn.comm, conn.device)
+        self._driver = SyncDriver(group, owner=self)
         self._shard_samples: int | None = None
         self._batch: tuple[int, int] | None = None  # the last global batch's size, fingerprint
         self._accumulated = False  # accumulate() ran since the last step
+        # elastic jobs: what a peer that is ahead sends, and where ctx.shards goes on
+        self._newcomer = group.joining
+        self._catch_up = 0  # batches a replacement skips to reach its peers
+        self._redo = False  # the last step must be trained again
+        self._last: StepResult | None = None
+        self._opt: torch.optim.Optimizer | None = None
+        self._pending_opt: dict[str, Any] | None = None
+
+    @property
+    def rank(self) -> int:
+        return self._group.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._group.comm.world_size
 
     @property
     def comm(self) -> Comm:
         """The transport averaging runs on (shared memory, or the process group)."""
-        return self._conn.comm
+        return self._group.comm
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    # -- the state an elastic group keeps consistent ---------------------------------------
+
+    def progress(self) -> int:
+        return -1 if self._newcomer else self.steps
+
+    def snapshot(self) -> dict[str, Any]:
+        model = self._driver.model
+        assert model is not None
+        opt = self._opt.state_dict() if self._opt is not None else None
+        last = dataclasses.asdict(self._last) if self._last else None
+        return {"steps": self.steps, "model": model.state_dict(), "opt": opt, "last": last}
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        assert self._driver.model is not None
+        self._driver.model.load_state_dict(state["model"])
+        self._pending_opt = state["opt"]
+        self._last = StepResult(**state["last"]) if state["last"] else None
+        if self._newcomer:
+            self._catch_up = state["steps"]
+        self._newcomer = False
+        self.steps = state["steps"]
+
+    def regrouped(self) -> None:
+        pass
+
+    # -- the model and the data ------------------------------------------------------------
 
     def replicate(
         self,
@@ -77,11 +131,13 @@ class Context:
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         sync_batchnorm: bool = False,
+        transform: GradientTransform | None = None,
     ) -> nn.Module:
         """Give every rank rank 0's parameters and buffers, and attach the averaging hooks.
 
         Every rank must pass a model with the same parameter and buffer names and shapes; if one
-        differs, all ranks raise ``ValueError`` naming the first difference.
+        differs, all ranks raise ``ValueError`` naming the first difference. In an elastic job
+        the members agree on the most advanced state first (a replacement receives it).
 
         Args:
             model: the plain module (not wrapped in ``DistributedDataParallel``).
@@ -91,6 +147,8 @@ class Context:
                 running statistics equal a single process's; every tower then needs at least
                 one sample in every training forward. Without it, each tower normalises over
                 its own shard and keeps its own running statistics (docs/batchnorm.md).
+            transform: how each bucket of gradients is reduced over the towers (see
+                :mod:`towers.transforms`); default: a plain sum. Every rank passes the same.
 
         Returns:
             ``model`` itself, moved to :attr:`device`.
@@ -99,24 +157,36 @@ class Context:
             raise TypeError(f"replicate() needs an nn.Module, got {type(model).__name__}")
         refuse_wrapped_model(model, "ctx.replicate()")
         if sync_batchnorm:
-            convert_batchnorm(model, self.comm)
+            convert_batchnorm(model, self._group)
         elif self.world_size > 1:
             warn_unsynced_buffers(model, "ctx.replicate(model, sync_batchnorm=True)")
-        return self._step.replicate(model, bucket_bytes)
+        self._driver = SyncDriver(self._group, transform, owner=self)
+        return self._driver.replicate(model, bucket_bytes)
 
     def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         """This tower's shard of each global batch (see :func:`towers.split`), on :attr:`device`.
 
         The shard's sample count is remembered and used by the next :meth:`backward` or
         :meth:`step` as its weight; that step also checks that every rank's global batch had the
-        same size and fingerprint (so every rank must pass the same global batches).
+        same size and fingerprint (so every rank must pass the same global batches). In an
+        elastic job, a step that must be redone gets the same global batch again, split over
+        the survivors, and a replacement starts where its peers are.
         """
         refuse_distributed_sampler(batches)
         for batch in batches:
-            shard = split(batch, self.world_size)[self.rank]
-            self._shard_samples = batch_size(shard)
-            self._batch = (batch_size(batch), fingerprint(batch))
-            yield map_batch(lambda t: torch.as_tensor(t).to(self.device), shard)
+            if self._catch_up > 0:
+                self._catch_up -= 1
+                continue
+            while True:
+                shard = split(batch, self.world_size)[self.rank]
+                self._shard_samples = batch_size(shard)
+                self._batch = (batch_size(batch), fingerprint(batch))
+                yield map_batch(lambda t: torch.as_tensor(t).to(self.device), shard)
+                if not self._redo:
+                    break
+                self._redo = False
+
+    # -- the step --------------------------------------------------------------------------
 
     def _weight(self, samples: int | None) -> int:
         if samples is None:
@@ -130,18 +200,17 @@ class Context:
             return
         check_loss(loss, "the loss passed to ctx.backward()/ctx.step()")
         try:
-            loss_sum = backward_weighted(loss, samples)
+            self._driver.backward(loss, samples)
         except RuntimeError as exc:
             if "backward through the graph a second time" not in str(exc):
                 raise
             raise RuntimeError(BACKWARD_TWICE) from None
-        self._step.add(loss_sum, samples)
 
     def _check_no_stale_grads(self) -> None:
         """Gradients present before a step's first backward were not made by this step."""
         if self._accumulated:
             return
-        for p in self._step.params:
+        for p in self._driver.params:
             if p.grad is not None and bool(p.grad.any()):
                 raise RuntimeError(BACKWARD_TWICE)
 
@@ -155,6 +224,43 @@ class Context:
         self._backward(loss, self._weight(samples))
         self._accumulated = True
 
+    def _run_step(
+        self,
+        loss: torch.Tensor | None,
+        samples: int | None,
+        optimizer: torch.optim.Optimizer | None,
+    ) -> StepResult:
+        """The step over the group: a result, or (elastic) a redo after a lost peer."""
+        if self._driver.sync is None:
+            raise RuntimeError("call ctx.replicate(model) before ctx.backward() or ctx.step()")
+        weight = self._weight(samples)
+        self._check_no_stale_grads()
+        size, mark = self._batch if self._batch is not None else (None, None)
+        stamp = BatchStamp(self.world_size).pack(self.rank, self.steps, size, mark)
+
+        def backward(arm: Any) -> None:
+            arm()
+            self._backward(loss, weight)
+
+        def one() -> StepResult:
+            result = self._driver.step(backward, stamp=stamp, optimizer=optimizer)
+            self.steps += 1
+            self._last = result
+            return result
+
+        before = self.steps
+        try:
+            result = self._group.attempt(self._driver, one)
+        finally:
+            self._shard_samples, self._batch, self._accumulated = None, None, False
+        if result is not None:
+            return result
+        self._driver.zero_grad()
+        if self.steps > before and self._last is not None:  # a peer had completed it
+            return self._last
+        self._redo = True
+        return StepResult(math.nan, [], [], skipped=True, redo=True)
+
     def backward(self, loss: torch.Tensor | None, samples: int | None = None) -> StepResult:
         """Backward ``loss`` and leave the global batch's gradient in every ``.grad``.
 
@@ -166,7 +272,9 @@ class Context:
         finite the step is skipped: every ``.grad`` is ``None`` on every rank, so
         ``optimizer.step()`` changes nothing. Clear the gradients (``optimizer.zero_grad()``)
         before the next step, as in any loop. Every rank must call it once per global batch; a
-        tower with no samples passes ``loss=None, samples=0``.
+        tower with no samples passes ``loss=None, samples=0``. Not available under
+        ``towers run --elastic``, where a step interrupted by a lost worker must be redone
+        inside :meth:`step`.
 
         Returns:
             The :class:`StepResult` of this step, identical on every rank.
@@ -176,20 +284,12 @@ class Context:
             >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
             >>> optimizer.step(); optimizer.zero_grad()  # doctest: +SKIP
         """
-        if self._step.sync is None:
-            raise RuntimeError("call ctx.replicate(model) before ctx.backward() or ctx.step()")
-        samples = self._weight(samples)
-        self._check_no_stale_grads()
-        self._step.arm()
-        self._backward(loss, samples)
-        size, mark = self._batch if self._batch is not None else (None, None)
-        stamp = BatchStamp(self.world_size).pack(self.rank, self.steps, size, mark)
-        self._shard_samples, self._batch, self._accumulated = None, None, False
-        self.steps += 1
-        result = self._step.reduce(stamp)
-        if result.skipped:
-            self._step.zero_grad()
-        return result
+        if self._group.elastic:
+            raise ValueError(
+                "ctx.backward() is not available under towers run --elastic (a step interrupted "
+                "by a lost worker must be redone inside ctx.step); use ctx.step(loss, optimizer)"
+            )
+        return self._run_step(loss, samples, None)
 
     def step(
         self,
@@ -200,14 +300,17 @@ class Context:
         """Backward ``loss``, average gradients over all towers, and step ``optimizer``.
 
         The shorthand for :meth:`backward`, then ``optimizer.step()`` (unless the step is
-        skipped), then clearing the gradients.
+        skipped), then clearing the gradients. Under ``towers run --elastic`` the result has
+        ``redo=True`` if a peer was lost (see the module doc).
 
         Returns:
             The :class:`StepResult` of this step, identical on every rank.
         """
-        result = self.backward(loss, samples)
-        self._step.apply(result, optimizer)
-        return result
+        self._opt = optimizer
+        if self._pending_opt is not None:
+            optimizer.load_state_dict(self._pending_opt)
+            self._pending_opt = None
+        return self._run_step(loss, samples, optimizer)
 
     def mean(self, values: Mapping[str, Any], samples: int) -> dict[str, float]:
         """The sample-weighted mean of ``values`` over all towers; call on every rank.
@@ -241,11 +344,12 @@ class Context:
         """Save the training state of ``step`` (steps done) to ``directory``; call on every rank.
 
         Rank 0 writes ``step-NNNNNNNN.pt`` atomically (temporary file, then rename) with the
-        model, optimizer and schedule state, every rank's RNG state and ``extra`` (tensors and
-        plain values only); the two newest checkpoints are kept. A write that fails (a full
-        disk) warns and training goes on: the state is still in memory.
+        model, optimizer and schedule state, every rank's RNG state and gradient-transform state
+        and ``extra`` (tensors and plain values only); the two newest checkpoints are kept. A
+        write that fails (a full disk) warns and training goes on: the state is still in memory.
         """
         rng = self.comm.all_gather_object(torch.get_rng_state())
+        transform = self._driver.gather() if self._driver.sync is not None else None
         if not self.is_main:
             return
         payload = {
@@ -253,6 +357,7 @@ class Context:
             "optimizer": optimizer.state_dict(),
             "schedule": schedule.state_dict() if schedule is not None else None,
             "rng": rng,
+            "transform": transform,
             "extra": extra or {},
         }
         checkpoint.save_or_warn(directory, step, "loop", payload)
@@ -282,37 +387,24 @@ class Context:
             schedule.load_state_dict(state["schedule"])
         if len(state["rng"]) == self.world_size:
             torch.set_rng_state(state["rng"][self.rank])
+        if state.get("transform") is not None and self._driver.sync is not None:
+            self._driver.load_state(state["transform"])
         return state["step"], state["extra"]
 
     def barrier(self) -> None:
         self.comm.barrier()
 
     def close(self) -> None:
-        """Remove the hooks and, if :func:`init` created it, the process group."""
-        self._step.remove()
-        self._conn.close()
+        """Leave the job: remove the hooks and, if :func:`init` created it, the process group.
+
+        In an elastic job, first wait until every member has done every step.
+        """
+        self._group.finish(self._driver if self._driver.model is not None else None)
+        self._driver.remove()
+        self._group.close()
 
     def __enter__(self) -> Context:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def init(
-    *, backend: str | None = None, timeout: float | None = None, transport: str | None = None
-) -> Context:
-    """Join a (non-elastic) job and return its :class:`Context`; see :func:`towers.init`.
-
-    Args are as :func:`towers.init`'s (``api/join.py``), which calls this unless the job was
-    started by ``towers run --elastic``.
-    """
-    mode = os.environ.get("TOWERS_MODE", "sync")
-    if mode != "sync":
-        raise ValueError(
-            f"this job was started with --mode {mode}, which applies to scripts that call "
-            "towers.train; the own-loop API (init/replicate/step) is synchronous: start the "
-            "script without --mode, or train with towers.train(..., mode=...)"
-        )
-    timeout = check_timeout(timeout)
-    return Context(connect(backend=backend, timeout=timeout, transport=transport))

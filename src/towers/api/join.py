@@ -1,8 +1,8 @@
 """``towers.init()``: join the job this process was launched into, elastic or not.
 
-A job started by ``towers run --elastic`` gets an
-:class:`~towers.api.elastic_context.ElasticContext`, any other one a
-:class:`~towers.api.context.Context`; the script is the same.
+A job started by ``towers run --elastic`` gets a :class:`~towers.api.context.Context` over an
+elastic group (:class:`~towers.engines.sync.group.ElasticGroup`), any other one a context over
+its fixed process group; the script is the same.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 
 from ..comm.elastic import ElasticConnection
+from ..comm.group import connect
+from ..core.args import check_timeout
+from ..engines.sync.group import ElasticGroup, PlainGroup
 from ..processes.elastic import ELASTIC_ENV
-from . import context
 from .context import Context
-from .elastic_context import ElasticContext
 
 __all__ = ["init"]
 
@@ -43,10 +44,19 @@ def init(
         >>> ctx = towers.init()
         >>> model = ctx.replicate(build_model())  # doctest: +SKIP
     """
+    mode = os.environ.get("TOWERS_MODE", "sync")
+    if mode != "sync":
+        raise ValueError(
+            f"this job was started with --mode {mode}, which applies to scripts that call "
+            "towers.train; the own-loop API (init/replicate/step) is synchronous: start the "
+            "script without --mode, or train with towers.train(..., mode=...)"
+        )
+    timeout = check_timeout(timeout)
     joining = os.environ.get(ELASTIC_ENV)
     if not joining:
-        return context.init(backend=backend, timeout=timeout, transport=transport)
+        return Context(PlainGroup(connect(backend=backend, timeout=timeout, transport=transport)))
     if backend not in (None, "gloo") or transport == "nccl":
         raise ValueError("towers run --elastic runs CPU workers: use backend='gloo'")
-    conn = ElasticConnection(transport or "auto", timeout, joining=joining == "join")
-    return ElasticContext(conn)
+    group = ElasticGroup(ElasticConnection(transport or "auto", timeout, joining=joining == "join"))
+    group.join()  # rank and world size are known from here on
+    return Context(group)

@@ -116,7 +116,7 @@ def check_sync_batchnorm(
             fix = "train(..., sync_batchnorm=True)"
             if mode.name != "sync":
                 fix += " in mode='sync'"
-            warn_unsynced_buffers(model, fix, stacklevel=4)
+            warn_unsynced_buffers(model, fix, stacklevel=5)
         return
     if mode.name != "sync":
         raise ValueError(

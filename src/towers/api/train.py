@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import shutil
 import sys
 import tempfile
@@ -22,13 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.group import DEFAULT_TIMEOUT, launched_env
-from ..core.args import check_timeout
-from ..core.data import batches_per_epoch
+from ..comm.group import DEFAULT_TIMEOUT
 from ..core.messages import first_line
-from ..core.modes import Mode, parse_mode
-from ..engines import checkpoint as checkpoint_files
-from ..engines.checkpoint import estimate_bytes
 from ..engines.job import (
     CollateFn,
     EngineResult,
@@ -38,17 +32,14 @@ from ..engines.job import (
     OptimizerFactory,
     ScheduleFactory,
 )
-from ..engines.job import default_optimizer as _default_optimizer
 from ..engines.run import load_resume, run_job
-from ..engines.sync.elastic import elastic_loop
+from ..engines.sync.loop import elastic_loop
+from ..engines.transforms import GradientTransform
 from ..processes.elastic import HANG_SECONDS, supervise
-from ..processes.guard import check_main_guard
 from ..processes.lifeline import Terminated, sigterm_interrupts, stopped_line
 from ..processes.spawn import spawn
-from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
-from .options import check_options, preflight_eval, refuse_loader
+from .make import Launch, make_job
 from .result import TrainResult
-from .validate import check_arguments, check_elastic, check_straggle, check_workers, preflight
 
 __all__ = ["TrainResult", "train"]
 
@@ -84,6 +75,7 @@ def train(
     num_workers: int = 0,
     sync_batchnorm: bool = False,
     elastic: bool = False,
+    transform: GradientTransform | None = None,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -179,6 +171,9 @@ def train(
             ``max_restarts``, that many replacements join at a step boundary and receive the
             state from a live peer. ``TrainResult.dead_workers``, ``world`` and
             ``recoveries`` say what happened.
+        transform: sync mode: how each bucket of gradients is reduced over the towers, a
+            gradient transform (see :mod:`towers.transforms`); default a plain sum. Its state
+            is saved in checkpoints and handed to replacements in elastic jobs.
 
     Returns:
         A :class:`TrainResult`.
@@ -193,126 +188,20 @@ def train(
         >>> result.losses[-1] < result.losses[0]  # doctest: +SKIP
         True
     """
-    refuse_loader("data", data)
-    refuse_wrapped_model(model, "train()")
-    refuse_sample_list(data)
-    n = check_arguments(
-        model,
-        loss_fn,
-        data,
-        ints={
-            "batch_size": batch_size,
-            "workers": workers,
-            "accumulate": accumulate,
-            "checkpoint_every": checkpoint_every,
-        },
-        optional_ints={"steps": steps, "epochs": epochs},
-        max_restarts=max_restarts,
-        checkpoint=checkpoint,
-        seed=seed,
-        transport=transport,
-        log_dir=log_dir,
-    )
-    timeout = check_timeout(timeout)
-    check_options(
-        data,
-        eval_data=eval_data,
-        eval_fn=eval_fn,
-        eval_every=eval_every,
-        lr_interval=lr_interval,
-        collate_fn=collate_fn,
-        num_workers=num_workers,
-    )
-    total = _total_steps(steps, epochs, n, batch_size)
-    launched = launched_env()
-    parsed = _mode(mode, launched)
-    workers = _workers(parsed, workers, launched)
-    check_sync_batchnorm(sync_batchnorm, model, parsed, workers, n, batch_size, accumulate)
-    if not launched and (workers > 1 or parsed.name != "sync" or max_restarts):
-        check_main_guard("towers.train()")  # before any worker starts, and never restarted
-    check_elastic(elastic, parsed, transport, launched, sync_batchnorm)
-    job = Job(
-        model=model,
-        loss_fn=loss_fn,
-        data=data,
-        batch_size=batch_size,
-        steps=total,
-        mode=parsed,
-        optimizer=optimizer if optimizer is not None else _default_optimizer,
-        lr_schedule=lr_schedule,
-        seed=seed,
-        shuffle=bool(shuffle),
-        log_dir=str(log_dir) if log_dir is not None else None,
-        progress=bool(progress),
-        accumulate=accumulate,
-        timeout=timeout,
-        checkpoint=None if checkpoint is None else os.fspath(checkpoint),
-        checkpoint_every=checkpoint_every,
-        every_rank=launched,
-        straggle=check_straggle(straggle, workers),
-        transport=transport,
-        eval_data=eval_data,
-        eval_fn=eval_fn,
-        eval_every=eval_every,
-        lr_interval=lr_interval,
-        collate_fn=collate_fn,
-        num_workers=num_workers,
-        sync_batchnorm=bool(sync_batchnorm),
-        elastic=bool(elastic),
-    )
-    preflight(job, workers)
-    if job.checkpoint is not None and (not launched or os.environ.get("RANK") == "0"):
-        checkpoint_files.prepare_directory(job.checkpoint, estimate_bytes(model, n))
-    preflight_eval(job, workers)
-    out, restarts = _run(job, workers, launched, max_restarts)
-    return _result(model, job, workers, restarts, out)
+    job, launch = make_job(dict(locals()))  # every argument checked here, before any worker
+    out, restarts = _run(job, launch)
+    return _result(model, job, launch.workers, restarts, out)
 
 
-def _total_steps(steps: int | None, epochs: int | None, samples: int, batch_size: int) -> int:
-    """Global batches to train: ``steps``, or ``epochs`` passes over ``samples``."""
-    if steps is not None and epochs is None:
-        return steps
-    if epochs is not None and steps is None:
-        return epochs * batches_per_epoch(samples, batch_size)
-    raise ValueError(
-        "give either steps= (global batches) or epochs= (passes over the data), not "
-        + ("neither" if steps is None else "both")
-    )
-
-
-def _run(job: Job, workers: int, launched: bool, max_restarts: int) -> tuple[EngineResult, int]:
+def _run(job: Job, launch: Launch) -> tuple[EngineResult, int]:
     """Launch with restarts; Ctrl-C or SIGTERM ends in one line that names the last checkpoint."""
     try:
         with sigterm_interrupts():
-            return _launch_with_restarts(job, workers, launched, max_restarts)
+            return _launch_with_restarts(job, launch.workers, launch.launched, launch.max_restarts)
     except KeyboardInterrupt as exc:
         # The workers are stopped by now; a traceback would bury the one thing to know.
         print(stopped_line(exc, job.checkpoint), file=sys.stderr, flush=True)
         raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
-
-
-def _mode(mode: str, launched: bool) -> Mode:
-    """The mode to train in: ``towers run --mode M`` makes ``M`` the default."""
-    if launched and mode == "sync" and os.environ.get("TOWERS_MODE", "sync") != "sync":
-        mode = os.environ["TOWERS_MODE"]
-    return parse_mode(mode)
-
-
-def _workers(mode: Mode, workers: int, launched: bool) -> int:
-    """Computing towers: ``workers``, or what a launched job's world size leaves for them."""
-    server = 0 if mode.name == "sync" else 1  # the parameter server is one more process
-    if launched:
-        world = int(os.environ["WORLD_SIZE"])
-        if world != workers + server:
-            warnings.warn(
-                f"train() runs in a launched job of {world} processes; training with "
-                f"{world - server} workers, not workers={workers}"
-                + (f" (mode {mode}: rank 0 is the parameter server)" if server else ""),
-                stacklevel=3,
-            )
-        workers = world - server
-    check_workers(mode, workers)
-    return workers
 
 
 @contextmanager

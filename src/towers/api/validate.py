@@ -29,8 +29,11 @@ from ..processes.pack import check_picklable as pickles
 
 __all__ = [
     "check_arguments",
+    "check_elastic",
     "check_picklable",
     "check_straggle",
+    "check_workers",
+    "launched_workers",
     "positive_int",
     "preflight",
     "warn_non_finite",
@@ -134,7 +137,7 @@ def warn_non_finite(data: Any) -> None:
             f"data holds NaN or Inf in {len(samples)} sample(s) ({shown}); every step whose "
             "global batch holds one is skipped on all towers and listed in TrainResult.skipped",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
 
@@ -192,9 +195,7 @@ def preflight(job: Job, workers: int) -> None:
         check_loss(job.loss_fn(probe, shard))
 
 
-def check_elastic(
-    elastic: Any, mode: Mode, transport: str | None, launched: bool, sync_batchnorm: Any = False
-) -> None:
+def check_elastic(elastic: Any, mode: Mode, transport: str | None, launched: bool) -> None:
     """``elastic=True`` needs sync mode, CPU workers, and local workers started by ``train``."""
     if not isinstance(elastic, bool):
         raise TypeError(f"elastic must be True or False, got {elastic!r}")
@@ -212,11 +213,6 @@ def check_elastic(
             f"goes to the others, with exact results); mode {str(mode)!r} already goes on "
             "without a dead worker: drop elastic=True"
         )
-    if sync_batchnorm:
-        raise ValueError(
-            "elastic=True does not combine with sync_batchnorm=True yet (its statistics are "
-            "summed over a fixed group of towers); drop one of them"
-        )
     if transport == "nccl" or (transport in (None, "auto") and torch.cuda.is_available()):
         raise ValueError(
             "elastic=True runs CPU workers (Gloo or shared memory); pass transport='gloo' or "
@@ -228,3 +224,19 @@ def check_elastic(
             "towers run or torchrun: run the script with plain python (own loops: "
             "towers run --elastic, docs/elastic.md)"
         )
+
+
+def launched_workers(mode: Mode, workers: int, launched: bool) -> int:
+    """Computing towers: ``workers``, or what a launched job's world size leaves for them."""
+    if not launched:
+        return workers
+    server = 0 if mode.name == "sync" else 1  # the parameter server is one more process
+    world = int(os.environ["WORLD_SIZE"])
+    if world != workers + server:
+        warnings.warn(
+            f"train() runs in a launched job of {world} processes; training with "
+            f"{world - server} workers, not workers={workers}"
+            + (f" (mode {mode}: rank 0 is the parameter server)" if server else ""),
+            stacklevel=4,
+        )
+    return world - server

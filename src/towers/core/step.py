@@ -12,12 +12,20 @@ so that the *sum* over towers (what an all-reduce computes) still holds every to
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StepMeta", "StepResult", "Tally", "all_finite", "assign_grads", "step_result"]
+__all__ = [
+    "StepMeta",
+    "StepResult",
+    "Tally",
+    "all_finite",
+    "apply_sums",
+    "assign_grads",
+    "step_result",
+]
 
 
 @dataclass
@@ -155,3 +163,22 @@ def assign_grads(
     for i, start, stop in slots:
         p = params[i]
         p.grad = flat[start:stop].view_as(p) if had_grad[i] else None
+
+
+def apply_sums(
+    params: Sequence[torch.Tensor],
+    tally: Tally,
+    sums: Iterable[tuple[torch.Tensor, Sequence[tuple[int, int, int]]]],
+) -> StepResult:
+    """Decide a step from its tally and summed gradients, and hand out the mean gradients.
+
+    ``sums``: each flat tensor of summed gradients with the ``(parameter index, start, stop)``
+    slots it holds. Unless the step is skipped (a tower at fault, or a sum not finite), every
+    parameter gets its share divided by the total sample count (:func:`assign_grads`).
+    """
+    sums = list(sums)
+    result = step_result(tally, all(all_finite(flat) for flat, _ in sums))
+    if not result.skipped:
+        for flat, slots in sums:
+            assign_grads(params, flat, slots, tally.total, tally.had_grad)
+    return result

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..core.data import batches_per_epoch, num_samples
 from ..core.modes import Mode
+from .transforms import GradientTransform
 
 __all__ = [
     "CollateFn",
@@ -82,6 +83,7 @@ class Job:
     collate_fn: CollateFn | None = None  # a Dataset's samples into a batch; None: DataLoader's
     num_workers: int = 0  # data-loading processes per tower
     sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (engines/syncbn.py)
+    transform: GradientTransform | None = None  # how a bucket is reduced; None: a plain sum
 
     @property
     def asynchronous(self) -> bool:

@@ -5,9 +5,11 @@ folds them into its running statistics. Split over towers, each tower would see 
 other normalisation, other gradients, other running statistics than one process over the global
 batch. :func:`convert_batchnorm` swaps every BatchNorm layer for :class:`TowerBatchNorm`, which
 sums ``count, sum(x), sum(x^2)`` per channel over the towers (float64, one small all-reduce) in
-the forward pass and ``sum(dy), sum(dy * x_hat)`` in the backward pass, over the job's
-:class:`~towers.comm.base.Comm` (shared memory or the process group alike). The result equals
-one process over the global batch, uneven shards included.
+the forward pass and ``sum(dy), sum(dy * x_hat)`` in the backward pass, through the job's group
+(:mod:`towers.engines.sync.group`), which hands them to its current communicator (shared memory
+or the process group alike); in an elastic job, a peer lost during a forward pass makes the
+step that follows be redone among the survivors. The result equals one process over the global
+batch, uneven shards included.
 
 Why not ``torch.nn.SyncBatchNorm``: it needs a process group and a GPU in training, and it
 weighs towers' statistics by sample count in the forward pass but leaves the backward to DDP's
@@ -21,14 +23,18 @@ and the others would wait for it): every global batch needs at least one sample 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..comm.base import Comm
+__all__ = ["Summer", "TowerBatchNorm", "convert_batchnorm"]
 
-__all__ = ["TowerBatchNorm", "convert_batchnorm"]
+
+class Summer(Protocol):
+    """Sums a tensor in place over the towers, now (the step's group)."""
+
+    def sum_now(self, tensor: torch.Tensor) -> None: ...
 
 
 def _channel_dims(x: torch.Tensor) -> list[int]:
@@ -51,11 +57,11 @@ class _Normalise(torch.autograd.Function):
         mean: torch.Tensor,
         invstd: torch.Tensor,
         total: float,
-        comm: Comm,
+        group: Summer,
     ) -> torch.Tensor:
         x_hat = (x - _shape(mean, x)) * _shape(invstd, x)
         ctx.save_for_backward(x_hat, weight, invstd)
-        ctx.total, ctx.comm = total, comm
+        ctx.total, ctx.group = total, group
         return x_hat * _shape(weight, x) + _shape(bias, x)
 
     @staticmethod
@@ -65,7 +71,7 @@ class _Normalise(torch.autograd.Function):
         sum_dy = dy.sum(dims)
         sum_dy_xhat = (dy * x_hat).sum(dims)
         both = torch.cat([sum_dy, sum_dy_xhat]).double()
-        ctx.comm.all_reduce_sum(both).wait()
+        ctx.group.sum_now(both)
         c = sum_dy.numel()
         mean_dy = _shape((both[:c] / ctx.total).to(dy.dtype), dy)
         mean_dy_xhat = _shape((both[c:] / ctx.total).to(dy.dtype), dy)
@@ -76,7 +82,7 @@ class _Normalise(torch.autograd.Function):
 class TowerBatchNorm(nn.modules.batchnorm._BatchNorm):
     """A BatchNorm layer (any dimension) whose training statistics span every tower."""
 
-    def __init__(self, source: nn.modules.batchnorm._BatchNorm, comm: Comm):
+    def __init__(self, source: nn.modules.batchnorm._BatchNorm, group: Summer):
         super().__init__(
             source.num_features,
             source.eps,
@@ -89,7 +95,7 @@ class TowerBatchNorm(nn.modules.batchnorm._BatchNorm):
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             setattr(self, name, getattr(source, name))
         self.training = source.training
-        self.comm = comm
+        self.group = group
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -105,7 +111,7 @@ class TowerBatchNorm(nn.modules.batchnorm._BatchNorm):
         xd = x.detach().double()
         count = torch.tensor([x.numel() / max(1, x.shape[1])], dtype=torch.float64)
         stats = torch.cat([count.to(x.device), xd.sum(dims), xd.square().sum(dims)])
-        self.comm.all_reduce_sum(stats).wait()
+        self.group.sum_now(stats)
         c = x.shape[1]
         total = float(stats[0])
         mean = stats[1 : c + 1] / total
@@ -116,7 +122,7 @@ class TowerBatchNorm(nn.modules.batchnorm._BatchNorm):
         weight = self.weight if self.weight is not None else torch.ones_like(mean, dtype=x.dtype)
         bias = self.bias if self.bias is not None else torch.zeros_like(mean, dtype=x.dtype)
         return _Normalise.apply(  # type: ignore[no-any-return]
-            x, weight, bias, mean.to(x.dtype), invstd.to(x.dtype), total, self.comm
+            x, weight, bias, mean.to(x.dtype), invstd.to(x.dtype), total, self.group
         )
 
     @torch.no_grad()
@@ -133,7 +139,7 @@ class TowerBatchNorm(nn.modules.batchnorm._BatchNorm):
         rv.mul_(1 - factor).add_(unbiased.to(rv.dtype), alpha=factor)  # type: ignore[operator]
 
 
-def convert_batchnorm(model: nn.Module, comm: Comm) -> list[str]:
+def convert_batchnorm(model: nn.Module, group: Summer) -> list[str]:
     """Swap every BatchNorm layer of ``model`` (in place) for a :class:`TowerBatchNorm`.
 
     Parameters and buffers keep their names and objects, so state dicts and optimizers built
@@ -145,6 +151,6 @@ def convert_batchnorm(model: nn.Module, comm: Comm) -> list[str]:
             if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(
                 child, TowerBatchNorm
             ):
-                setattr(module, child_name, TowerBatchNorm(child, comm))
+                setattr(module, child_name, TowerBatchNorm(child, group))
                 swapped.append(f"{name}.{child_name}" if name else child_name)
     return swapped

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api.context import init
+from ..api.join import init
 from ..api.train import train
 from ..comm.group import init_process_group
 from ..core.messages import first_line

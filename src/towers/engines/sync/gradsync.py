@@ -3,10 +3,11 @@
 Each tower backpropagates ``loss * n_i`` (its mean loss times its sample count), so its gradients
 are n_i * g_i. Parameters are grouped into buckets in reverse registration order (roughly the
 order backward produces their gradients); a ``register_post_accumulate_grad_hook`` on every
-parameter marks it ready, and as soon as a bucket is complete it is flattened and its sum over
-towers is started asynchronously while backward goes on. Buckets are launched strictly in index
-order on every rank (as in DDP's reducer), so a rank whose gradients arrive in another order
-still issues the same sequence of collectives.
+parameter marks it ready, and as soon as a bucket is complete it is flattened and handed to the
+job's gradient transform (:mod:`towers.engines.transforms`; by default a plain sum over towers,
+started asynchronously) while backward goes on. Buckets are launched strictly in index order on
+every rank (as in DDP's reducer), so a rank whose gradients arrive in another order still issues
+the same sequence of collectives.
 
 The step's metadata (:class:`~towers.core.step.StepMeta`: sample counts, loss sums, non-finite
 flags, which parameters got a gradient) travels in the tail of the last bucket, so a step costs
@@ -17,15 +18,18 @@ division by N, the culprits, ``None`` gradients) lives in :mod:`towers.core.step
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ...comm.base import Comm, Work
+from ...comm.base import Comm
 from ...core.agree import BatchStamp
-from ...core.step import StepMeta, StepResult, all_finite, assign_grads, step_result
+from ...core.step import StepMeta, StepResult, all_finite, apply_sums
+from ..transforms import Bucket, BucketLayout, GradientTransform
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "GradientSync"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "BucketPlan", "GradientSync"]
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
@@ -48,46 +52,59 @@ def make_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[int
     return buckets
 
 
+@dataclass(frozen=True)
+class BucketPlan:
+    """Which parameters travel in which bucket: fixed for a model, whatever the group."""
+
+    params: list[torch.Tensor]
+    buckets: list[list[int]]  # parameter indices per bucket
+    layouts: list[BucketLayout]
+
+    @classmethod
+    def of(cls, params: Sequence[torch.Tensor], bucket_bytes: int) -> BucketPlan:
+        trainable = [p for p in params if p.requires_grad]
+        buckets = make_buckets(trainable, bucket_bytes)
+        layouts = []
+        for b, indices in enumerate(buckets):
+            ref, start, slots = trainable[indices[0]], 0, []
+            for i in indices:
+                slots.append((start, start + trainable[i].numel()))
+                start += trainable[i].numel()
+            shapes = tuple(tuple(trainable[i].shape) for i in indices)
+            layouts.append(BucketLayout(b, shapes, tuple(slots), ref.dtype, ref.device))
+        return cls(trainable, buckets, layouts)
+
+
 class GradientSync:
-    """Sums ``n_i * g_i`` over ranks for ``params`` while backward runs; see the module doc."""
+    """Sums ``n_i * g_i`` over ranks for ``plan``'s parameters while backward runs.
+
+    One instance serves one communicator; the transform's state is passed in and the next
+    state returned by :meth:`finish`, so the caller decides when it is committed.
+    """
 
     def __init__(
-        self,
-        params: Iterable[torch.Tensor],
-        comm: Comm,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        self, plan: BucketPlan, comm: Comm, transform: GradientTransform, state: Any = None
     ):
-        self.params = [p for p in params if p.requires_grad]
-        self.comm = comm
-        self.buckets = make_buckets(self.params, bucket_bytes)
+        self.plan, self.params, self.buckets = plan, plan.params, plan.buckets
+        self.comm, self.transform = comm, transform
+        self.state = state  # the transform state this step starts from
         self.meta = StepMeta(comm.world_size, len(self.params))
         self.stamp = BatchStamp(comm.world_size)  # rides behind the meta (core/agree.py)
         self._no_stamp = torch.zeros(self.stamp.length, dtype=torch.float64)
         tail_length = self.meta.length + self.stamp.length
         last = len(self.buckets) - 1
         # The metadata rides in the last bucket when that bucket's dtype holds it exactly.
-        self.meta_in_bucket = self.params[self.buckets[last][0]].dtype in (
-            torch.float32,
-            torch.float64,
-        )
-        self.bucket_of: dict[int, int] = {}
+        self.meta_in_bucket = plan.layouts[last].dtype in (torch.float32, torch.float64)
+        self.bucket_of = {i: b for b, indices in enumerate(self.buckets) for i in indices}
         self.buffers: list[torch.Tensor] = []  # each bucket's gradients, flattened
         self.slots: list[list[tuple[int, int, int]]] = []  # (param index, start, stop)
         self._storage: list[torch.Tensor] = []  # buffers, the last one with room for the meta
-        for b, indices in enumerate(self.buckets):
-            ref = self.params[indices[0]]
-            total = sum(self.params[i].numel() for i in indices)
+        for b, (indices, layout) in enumerate(zip(self.buckets, plan.layouts)):
             extra = tail_length if b == last and self.meta_in_bucket else 0
-            storage = self._buffer(total + extra, ref)
+            storage = self._buffer(layout.numel + extra, self.params[indices[0]])
             self._storage.append(storage)
-            self.buffers.append(storage[:total])
-            start, slots = 0, []
-            for i in indices:
-                n = self.params[i].numel()
-                slots.append((i, start, start + n))
-                start += n
-                self.bucket_of[i] = b
-            self.slots.append(slots)
+            self.buffers.append(storage[: layout.numel])
+            self.slots.append([(i, a, z) for i, (a, z) in zip(indices, layout.slots)])
         self.handles = [
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad(i))
             for i, p in enumerate(self.params)
@@ -107,9 +124,14 @@ class GradientSync:
     def _reset(self) -> None:
         self._ready = [0] * len(self.buckets)
         self._launched = 0
-        self._works: list[Work] = []
+        self._out: list[Bucket] = []
+        self._next_state = self.state
         self._had_grad = torch.zeros(len(self.params), dtype=torch.float64)
         self._bad_grad = False
+
+    def commit(self, state: Any) -> None:
+        """The transform state the next step starts from (the caller applied the last one)."""
+        self.state = self._next_state = state
 
     def remove(self) -> None:
         """Detach the hooks from the parameters."""
@@ -127,8 +149,8 @@ class GradientSync:
         b = self.bucket_of[index]
         self._ready[b] += 1
         # The last bucket waits for finish(), which knows the step's meta.
-        hook_launchable = len(self.buckets) - (1 if self.meta_in_bucket else 0)
-        while self._launched < hook_launchable and self._ready[self._launched] >= len(
+        last = len(self.buckets) - 1
+        while self._launched < last and self._ready[self._launched] >= len(
             self.buckets[self._launched]
         ):
             self._launch(self._launched)
@@ -144,10 +166,25 @@ class GradientSync:
                 self._had_grad[i] = 1.0
         self._bad_grad = self._bad_grad or not all_finite(buf)
 
+    def _reduce(self, bucket: Bucket) -> None:
+        out, self._next_state = self.transform.reduce(self._next_state, bucket, self.comm)
+        self._out.append(out)
+        self._launched = bucket.index + 1
+
     def _launch(self, b: int) -> None:
         self._pack(b)
-        self._works.append(self.comm.all_reduce_sum(self.buffers[b]))
-        self._launched = b + 1
+        self._reduce(Bucket(b, self.buffers[b]))
+
+    def _launch_last(self, meta: torch.Tensor) -> None:
+        last = len(self.buckets) - 1
+        grads = self.buffers[last]
+        if self.meta_in_bucket:
+            whole = self._storage[last]
+            tail = whole[grads.numel() :]
+            tail.copy_(meta)
+            self._reduce(Bucket(last, grads, tail, whole))
+        else:
+            self._reduce(Bucket(last, grads, meta.to(grads.device)))
 
     def finish(
         self,
@@ -155,7 +192,7 @@ class GradientSync:
         loss_sum: float,
         stamp: torch.Tensor | None = None,
         regroup: bool = False,
-    ) -> StepResult:
+    ) -> tuple[StepResult, Any]:
         """Complete the averaging; every rank must call this once per step.
 
         Args:
@@ -170,8 +207,9 @@ class GradientSync:
             ValueError: on every rank, if the ranks' stamps disagree.
 
         Returns:
-            The step's outcome. Unless it is skipped, each parameter's ``.grad`` holds the
-            sample-weighted mean gradient (``None`` where no tower produced one).
+            The step's outcome and the transform's state after it. Unless the step is skipped,
+            each parameter's ``.grad`` holds the sample-weighted mean gradient (``None`` where
+            no tower produced one).
         """
         self._armed = False
         last = len(self.buckets) - 1
@@ -181,18 +219,10 @@ class GradientSync:
         bad = not math.isfinite(loss_sum) or self._bad_grad
         meta = self.meta.pack(self.comm.rank, samples, loss_sum, bad, self._had_grad, regroup)
         checked = stamp is not None  # towers.train's loop builds the batches itself: no stamp
-        meta = torch.cat([meta, stamp if stamp is not None else self._no_stamp])
-        if self.meta_in_bucket:
-            tail = self._storage[last][-len(meta) :]
-            tail.copy_(meta)
-            self._works.append(self.comm.all_reduce_sum(self._storage[last]))
-        else:
-            self._works.append(self.comm.all_reduce_sum(self.buffers[last]))
-            tail = meta.to(self.buffers[last].device)
-            self._works.append(self.comm.all_reduce_sum(tail))
-        self._launched = last + 1
-        for w in self._works:
-            w.wait()
+        self._launch_last(torch.cat([meta, stamp if stamp is not None else self._no_stamp]))
+        sums = [out.wait() for out in self._out]
+        tail = sums[-1].tail
+        assert tail is not None, "a gradient transform dropped the step's metadata"
         if checked:
             try:
                 self.stamp.check(tail[self.meta.length :])
@@ -201,9 +231,10 @@ class GradientSync:
                 raise
         tally = self.meta.read(tail[: self.meta.length])
         self.regroup = tally.regroup
-        result = step_result(tally, all(all_finite(buf) for buf in self.buffers))
-        if not result.skipped:
-            for buf, slots in zip(self.buffers, self.slots):
-                assign_grads(self.params, buf, slots, tally.total, tally.had_grad)
+        for out, buf in zip(sums, self.buffers):
+            if out.grads.data_ptr() != buf.data_ptr():
+                buf.copy_(out.grads)
+        result = apply_sums(self.params, tally, zip(self.buffers, self.slots))
+        state = self._next_state
         self._reset()
-        return result
+        return result, state

@@ -1,10 +1,12 @@
-"""The synchronous training loop of ``towers.train``, run by every worker.
+"""The synchronous training loop of ``towers.train``, run by every worker, plain or elastic.
 
 Each global batch is cut with :func:`towers.split`; this worker backpropagates its shard (in
-``accumulate`` micro-batches) and :class:`~towers.engines.sync.step.SyncStep` averages the
-gradients over all towers before one update. With ``checkpoint=`` the loop saves its whole state
-every ``checkpoint_every`` steps and resumes from the checkpoint the caller read, ending exactly
-where an uninterrupted run ends.
+``accumulate`` micro-batches) and the step driver (:class:`~towers.engines.sync.driver.SyncDriver`)
+reduces the gradients over all towers before one update. The loop is the same for a fixed group
+and an elastic one (:mod:`towers.engines.sync.group`): a step the elastic group asks to redo
+(a peer was lost) is simply trained again, split over the survivors, from the state the members
+agreed on. With ``checkpoint=`` the loop saves its whole state every ``checkpoint_every`` steps
+and resumes from the checkpoint the caller read, ending exactly where an uninterrupted run ends.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ...comm.elastic import ElasticConnection
 from ...comm.group import Connection
 from ...core.data import BatchOrder, is_dataset, num_samples
 from ...core.split import split
@@ -26,9 +29,10 @@ from ..job import EngineResult, Job
 from ..replica import Replica, backward_shard, cpu_state
 from ..report import Reporter
 from ..syncbn import convert_batchnorm
-from .step import SyncStep
+from .driver import SyncDriver
+from .group import ElasticGroup, Group, PlainGroup
 
-__all__ = ["SyncRecord", "sync_loop"]
+__all__ = ["SyncRecord", "elastic_loop", "sync_loop"]
 
 
 @dataclass
@@ -64,110 +68,170 @@ class SyncRecord:
 
 
 class _Run:
-    """One worker's run of a synchronous job."""
+    """One worker's run of a synchronous job over ``group``.
 
-    def __init__(self, job: Job, conn: Connection, resume: dict[str, Any] | None):
-        self.job, self.comm, self.device = job, conn.comm, conn.device
-        torch.manual_seed(job.seed + self.comm.rank)
-        self.step = SyncStep(self.comm, conn.device)
-        self.replica = Replica.build(job, conn.device)
+    ``worker``: this worker's launch rank (an elastic worker's id), which seeds its RNG and
+    says whether it reports progress.
+    """
+
+    def __init__(self, job: Job, group: Group, worker: int, resume: dict[str, Any] | None):
+        self.job, self.group, self.device = job, group, group.device
+        torch.manual_seed(job.seed + worker)
+        self.replica = Replica.build(job, group.device)
         if job.sync_batchnorm:
-            convert_batchnorm(self.replica.model, self.comm)
-        self.step.replicate(self.replica.model)
+            convert_batchnorm(self.replica.model, group)
+        self.driver = SyncDriver(group, job.transform, owner=self)
         self.order = BatchOrder(num_samples(job.data), job.batch_size, job.shuffle, job.seed)
         self.record = SyncRecord()
-        self.first = 0
+        self.done = 0  # global batches completed
+        self.newcomer = group.joining  # a replacement: no state until a peer sends it
+        self.resume = resume
         if resume is not None:
             self._restore(resume)
+        self.first = self.done
         self.fetcher = Fetcher(job)  # evaluation's
-        self.fetch = None  # fetch in this process; or a DataLoader's processes, planned ahead
+        self.fetch: Planned | None = None  # a DataLoader's processes, planned ahead
+        self.reporter = Reporter(job, worker == 0, initial=self.first)
+        self.start, self.first_samples = time.perf_counter(), self.record.samples
+
+    # -- the state the driver keeps consistent ---------------------------------------------
+
+    def progress(self) -> int:
+        return -1 if self.newcomer else self.done
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"done": self.done, "replica": self.replica.state(), "record": asdict(self.record)}
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        self.replica.load(state["replica"])
+        self.record = SyncRecord.from_state(state["record"])
+        self.done = state["done"]
+        self.newcomer = False
+
+    def regrouped(self) -> None:
+        """Plan this tower's part of the remaining batches for the new members."""
+        job, comm = self.job, self.group.comm
+        if self.fetch is not None:
+            self.fetch.close()
         if job.num_workers and is_dataset(job.data):
-            position = None if resume is None else resume["data"]
-            self.fetch = Planned(job, self.comm.rank, self.comm.world_size, self.first, position)
+            self.order.seek(self.done)
+            position = self.order.state_dict()
+            self.fetch = Planned(job, comm.rank, comm.world_size, self.done, position)
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.replica.load(state)
         self.order.load_state_dict(state["data"])
-        rng = state["rng"]
-        if len(rng) == self.comm.world_size:
-            torch.set_rng_state(rng[self.comm.rank])
-        else:  # resumed with another number of workers: fresh, but reproducible, streams
-            torch.manual_seed(self.job.seed + self.comm.rank + 1000 * state["step"])
         self.record = SyncRecord.from_state(state["record"])
         # a shorter run's evaluation at its end is not one of this run's
         self.record.evals = [(d, m) for d, m in self.record.evals if due(self.job, d)]
-        self.first = state["step"]
+        self.done = state["step"]
 
-    def _save(self, done: int) -> None:
-        rng = self.comm.all_gather_object(torch.get_rng_state())
-        if self.comm.rank != 0:
+    def _restore_streams(self) -> None:
+        """This rank's random stream and transform state from the checkpoint resumed."""
+        state, comm = self.resume, self.group.comm
+        if not state or "rng" not in state:
             return
-        payload = {
-            "mode": str(self.job.mode),
-            "data": self.order.state_dict(),
-            "rng": rng,
-            "record": asdict(self.record),
-            **self.replica.state(),
-        }
-        checkpoint.save_or_warn(self.job.checkpoint, done, "sync", payload)  # type: ignore[arg-type]
+        rng = state["rng"]
+        if len(rng) == comm.world_size:
+            torch.set_rng_state(rng[comm.rank])
+        else:  # resumed with another number of workers: fresh, but reproducible, streams
+            torch.manual_seed(self.job.seed + comm.rank + 1000 * state["step"])
+        if state.get("transform") is not None:
+            self.driver.load_state(state["transform"])
 
-    def _due(self, done: int) -> bool:
-        job = self.job
-        return job.checkpoint is not None and (
-            done % job.checkpoint_every == 0 or done == job.steps
-        )
+    # -- one step --------------------------------------------------------------------------
+
+    def _one(self) -> None:
+        """Train global batch ``done``, split over the current members; evaluate and save."""
+        job, comm, replica = self.job, self.group.comm, self.replica
+        k = self.done
+        self.order.seek(k)
+        mine = split(next(self.order), comm.world_size)[comm.rank]
+        slow = job.straggle.get(comm.rank, 1.0)
+        fetch = None if self.fetch is None else self._planned
+
+        def backward(arm: Any) -> None:
+            model = replica.model
+            self.driver.add(
+                *backward_shard(
+                    job, model, mine, self.device, before_last=arm, slow=slow, fetch=fetch
+                )
+            )
+
+        r = self.driver.step(backward, optimizer=replica.optimizer)
+        replica.schedule_to(job.scheduled(k + 1))
+        self._completed(k, r)
+        if due(job, self.done):
+            self._evaluate(self.done)
+        if self._checkpoint_due(self.done):
+            self.record.seconds += time.perf_counter() - self.start
+            self.start, self.first_samples = time.perf_counter(), self.record.samples
+            self._save(self.done)
 
     def _planned(self, micro: list[torch.Tensor]) -> list[Any]:
         assert self.fetch is not None
         return [self.fetch(m) for m in micro]
 
-    def _evaluate(self, done: int, reporter: Reporter) -> None:
-        comm = self.comm
+    def _completed(self, k: int, r: StepResult) -> None:
+        self.done = k + 1
+        elapsed = time.perf_counter() - self.start
+        self.record.add(k, r, self.record.seconds + elapsed)
+        if self.group.lost_at is not None:
+            self.record.recoveries.append((k, max(0.0, time.time() - self.group.lost_at)))
+            self.group.lost_at = None
+        rate = (self.record.samples - self.first_samples) / max(elapsed, 1e-9)
+        self.reporter.step(k, r.loss, r.tower_losses, rate)
+
+    def _evaluate(self, done: int) -> None:
+        comm = self.group.comm
         model, world = self.replica.model, comm.world_size
         mine = evaluate(self.job, model, self.device, comm.rank, world, self.fetcher)
         metrics = combine(comm.all_gather_object(mine))
         self.record.evals.append((done, metrics))
-        reporter.evaluated(done, metrics)
+        self.reporter.evaluated(done, metrics)
+
+    def _checkpoint_due(self, done: int) -> bool:
+        job = self.job
+        return job.checkpoint is not None and (
+            done % job.checkpoint_every == 0 or done == job.steps
+        )
+
+    def _save(self, done: int) -> None:
+        comm = self.group.comm
+        rng = comm.all_gather_object(torch.get_rng_state())
+        transform = self.driver.gather()
+        if comm.rank != 0:
+            return
+        payload = {
+            "mode": str(self.job.mode),
+            "data": self.order.state_dict(),
+            "rng": rng,
+            "transform": transform,
+            "record": asdict(self.record),
+            **self.replica.state(),
+        }
+        checkpoint.save_or_warn(self.job.checkpoint, done, "sync", payload)  # type: ignore[arg-type]
+
+    # -- the run ---------------------------------------------------------------------------
 
     def train(self) -> None:
-        job, comm, record, replica = self.job, self.comm, self.record, self.replica
-        slow = job.straggle.get(comm.rank, 1.0)
-        reporter = Reporter(job, comm.rank == 0, initial=self.first)
-        comm.barrier()
-        start = time.perf_counter()
-        first_samples = record.samples
+        group, job = self.group, self.job
         try:
-            for k in range(self.first, job.steps):
-                mine = split(next(self.order), comm.world_size)[comm.rank]
-                loss_sum, n = backward_shard(
-                    job,
-                    replica.model,
-                    mine,
-                    self.device,
-                    before_last=self.step.arm,
-                    slow=slow,
-                    fetch=None if self.fetch is None else self._planned,
-                )
-                self.step.add(loss_sum, n)
-                r = self.step.reduce()
-                self.step.apply(r, replica.optimizer)  # type: ignore[arg-type]
-                replica.schedule_to(job.scheduled(k + 1))
-                elapsed = time.perf_counter() - start
-                record.add(k, r, record.seconds + elapsed)
-                rate = (record.samples - first_samples) / elapsed
-                reporter.step(k, r.loss, r.tower_losses, rate)
-                if due(job, k + 1):
-                    self._evaluate(k + 1, reporter)
-                if self._due(k + 1):
-                    record.seconds += time.perf_counter() - start
-                    start, first_samples = time.perf_counter(), record.samples
-                    self._save(k + 1)
+            self.driver.replicate(self.replica.model)
+            self._restore_streams()
+            if not group.elastic:  # start the clock together (a replacement joins mid-run)
+                group.comm.barrier()
+            self.start, self.first_samples = time.perf_counter(), self.record.samples
+            while self.done < job.steps:
+                group.attempt(self.driver, self._one)
+            group.finish(self.driver)
         finally:
-            reporter.close()
+            self.driver.remove()
+            self.reporter.close()
             if self.fetch is not None:
                 self.fetch.close()
             self.fetcher.close()
-        record.seconds += time.perf_counter() - start
+        self.record.seconds += time.perf_counter() - self.start
 
     def result(self) -> EngineResult:
         r = self.record
@@ -189,11 +253,20 @@ class _Run:
 def sync_loop(job: Job, conn: Connection, resume: dict[str, Any] | None) -> EngineResult | None:
     """Train ``job`` synchronously on this rank; rank 0 returns the result (every rank does if
     ``job.every_rank``)."""
-    run = _Run(job, conn, resume)
-    try:
-        run.train()
-    finally:
-        run.step.remove()
+    run = _Run(job, PlainGroup(conn), conn.comm.rank, resume)
+    run.train()
     if conn.comm.rank == 0 or job.every_rank:
         return run.result()
     return None
+
+
+def elastic_loop(job: Job, resume: dict[str, Any] | None, joining: bool) -> EngineResult:
+    """Train ``job`` as one elastic worker; every worker returns the (identical) result."""
+    conn = ElasticConnection(job.transport or "auto", job.timeout, joining)
+    group = ElasticGroup(conn)
+    try:
+        run = _Run(job, group, conn.id, resume)
+        run.train()
+        return run.result()
+    finally:
+        group.close()

@@ -1,0 +1,153 @@
+"""From ``towers.train``'s arguments to one checked :class:`~towers.engines.job.Job`.
+
+Every argument is checked here, in the caller, before any worker starts (the checks themselves
+live in :mod:`towers.api.validate`, :mod:`towers.api.options` and :mod:`towers.api.mistakes`);
+then the job is probed (:func:`~towers.api.validate.preflight`: the optimizer, the schedule
+and one shard's loss are built and computed here), and the checkpoint directory is prepared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from ..comm.group import launched_env
+from ..core.args import check_timeout
+from ..core.data import batches_per_epoch
+from ..core.modes import Mode, parse_mode
+from ..engines import checkpoint as checkpoint_files
+from ..engines.checkpoint import estimate_bytes
+from ..engines.job import Job, default_optimizer
+from ..engines.transforms import check_transform
+from ..processes.guard import check_main_guard
+from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
+from .options import check_options, preflight_eval, refuse_loader
+from .validate import (
+    check_arguments,
+    check_elastic,
+    check_picklable,
+    check_straggle,
+    check_workers,
+    launched_workers,
+    preflight,
+)
+
+__all__ = ["Launch", "make_job"]
+
+# train()'s keywords that a Job carries under the same name, as given
+_AS_GIVEN = (
+    "batch_size",
+    "lr_schedule",
+    "seed",
+    "accumulate",
+    "checkpoint_every",
+    "transport",
+    "eval_data",
+    "eval_fn",
+    "eval_every",
+    "lr_interval",
+    "collate_fn",
+    "num_workers",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How a checked job runs: its towers, whether it was launched, restarts allowed."""
+
+    workers: int
+    launched: bool
+    max_restarts: int
+
+
+def make_job(args: dict[str, Any]) -> tuple[Job, Launch]:
+    """Check ``train``'s arguments (a dict of its parameters) and build the job they ask for."""
+    model, data = args["model"], args["data"]
+    refuse_loader("data", data)
+    refuse_wrapped_model(model, "train()")
+    refuse_sample_list(data)
+    ints = ("batch_size", "workers", "accumulate", "checkpoint_every")
+    n = check_arguments(
+        model,
+        args["loss_fn"],
+        data,
+        ints={k: args[k] for k in ints},
+        optional_ints={"steps": args["steps"], "epochs": args["epochs"]},
+        max_restarts=args["max_restarts"],
+        checkpoint=args["checkpoint"],
+        seed=args["seed"],
+        transport=args["transport"],
+        log_dir=args["log_dir"],
+    )
+    check_options(data, **{k: args[k] for k in _OPTIONS})
+    launched = launched_env()
+    mode = _mode(args["mode"], launched)
+    workers = launched_workers(mode, args["workers"], launched)
+    check_workers(mode, workers)
+    batch_size, accumulate = args["batch_size"], args["accumulate"]
+    check_sync_batchnorm(args["sync_batchnorm"], model, mode, workers, n, batch_size, accumulate)
+    if not launched and (workers > 1 or mode.name != "sync" or args["max_restarts"]):
+        check_main_guard("towers.train()")  # before any worker starts, and never restarted
+    check_elastic(args["elastic"], mode, args["transport"], launched)
+    job = Job(
+        model=model,
+        loss_fn=args["loss_fn"],
+        data=data,
+        steps=_total_steps(args["steps"], args["epochs"], n, batch_size),
+        mode=mode,
+        optimizer=args["optimizer"] if args["optimizer"] is not None else default_optimizer,
+        shuffle=bool(args["shuffle"]),
+        log_dir=None if args["log_dir"] is None else str(args["log_dir"]),
+        progress=bool(args["progress"]),
+        timeout=check_timeout(args["timeout"]),
+        checkpoint=None if args["checkpoint"] is None else os.fspath(args["checkpoint"]),
+        every_rank=launched,
+        straggle=check_straggle(args["straggle"], workers),
+        sync_batchnorm=bool(args["sync_batchnorm"]),
+        elastic=bool(args["elastic"]),
+        transform=_transform(args["transform"], mode),
+        **{k: args[k] for k in _AS_GIVEN},
+    )
+    preflight(job, workers)
+    if job.checkpoint is not None and (not launched or os.environ.get("RANK") == "0"):
+        checkpoint_files.prepare_directory(job.checkpoint, estimate_bytes(model, n))
+    preflight_eval(job, workers)
+    return job, Launch(workers, launched, args["max_restarts"])
+
+
+_OPTIONS = ("eval_data", "eval_fn", "eval_every", "lr_interval", "collate_fn", "num_workers")
+
+
+def _total_steps(steps: int | None, epochs: int | None, samples: int, batch_size: int) -> int:
+    """Global batches to train: ``steps``, or ``epochs`` passes over ``samples``."""
+    if steps is not None and epochs is None:
+        return steps
+    if epochs is not None and steps is None:
+        return epochs * batches_per_epoch(samples, batch_size)
+    raise ValueError(
+        "give either steps= (global batches) or epochs= (passes over the data), not "
+        + ("neither" if steps is None else "both")
+    )
+
+
+def _mode(mode: str, launched: bool) -> Mode:
+    """The mode to train in: ``towers run --mode M`` makes ``M`` the default."""
+    if launched and mode == "sync" and os.environ.get("TOWERS_MODE", "sync") != "sync":
+        mode = os.environ["TOWERS_MODE"]
+    return parse_mode(mode)
+
+
+def _transform(transform: Any, mode: Mode) -> Any:
+    """The gradient transform, checked; only the synchronous engine reduces buckets."""
+    if transform is None:
+        return None
+    if mode.name != "sync":
+        raise ValueError(
+            f"transform= applies to mode='sync' (it reduces each bucket of a synchronous step); "
+            f"mode {str(mode)!r} sends every tower's gradient to the parameter server: drop "
+            "transform= or train in sync mode"
+        )
+    check_transform(transform)
+    check_picklable("transform", transform, "define its class at module level")
+    return transform

@@ -1,0 +1,225 @@
+"""The one synchronous step: backward of the weighted loss, reduce, finite check, apply or skip.
+
+``towers.train``'s loop and the own loop's ``Context``, plain or elastic, all step through a
+:class:`SyncDriver`. It is given a group (:mod:`towers.engines.sync.group`) and asks it for the
+current communicator rather than storing one, and a gradient transform
+(:mod:`towers.engines.transforms`) that reduces each bucket. A step is
+
+1. ``arm()`` before the last backward, so that each bucket's reduction starts as soon as its
+   gradients are complete (:class:`~towers.engines.sync.gradsync.GradientSync`);
+2. ``add()`` of the tower's loss sum and samples (:meth:`backward` does both for one loss);
+3. ``reduce(stamp)``: the step's metadata (and, in the own loop, the batch stamp) rides with
+   the last bucket; every rank decides the step identically (:mod:`towers.core.step`): the mean
+   gradients in ``.grad``, or a skipped step with every ``.grad`` cleared;
+4. ``apply(result, optimizer)``: the optimizer steps unless the step was skipped.
+
+:meth:`step` runs all four around a caller's backward. The transform's state is this tower's
+and is committed only when a step is applied; it is saved in checkpoints and, in elastic jobs,
+kept by survivors and handed to replacements (``snapshot``/``adopt``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ...core.step import StepResult
+from ..broadcast import broadcast_module, verify_same_model
+from ..replica import backward_weighted
+from ..transforms import GradientTransform, check_transform, start_from
+from .gradsync import DEFAULT_BUCKET_BYTES, BucketPlan, GradientSync
+from .group import Group
+
+__all__ = ["Owner", "SyncDriver"]
+
+
+class Owner(Protocol):
+    """The training state the driver keeps consistent across an elastic group's regroups."""
+
+    def progress(self) -> int: ...
+
+    def snapshot(self) -> Any: ...
+
+    def adopt(self, snapshot: Any) -> None: ...
+
+    def regrouped(self) -> None:
+        """The driver is attached to a new set of members (their rank and number may differ)."""
+        ...
+
+
+class SyncDriver:
+    """One rank's synchronous step over ``group``; see the module doc."""
+
+    def __init__(
+        self,
+        group: Group,
+        transform: GradientTransform | None = None,
+        owner: Owner | None = None,
+    ):
+        self.group = group
+        self.device = group.device
+        self.transform = check_transform(transform)
+        self.owner = owner
+        self.model: nn.Module | None = None
+        self.plan: BucketPlan | None = None
+        self.sync: GradientSync | None = None
+        self.state: Any = None  # the transform's committed state
+        self.samples = 0  # this tower's samples since the last reduce()
+        self.loss_sum = 0.0  # and their loss sum
+        self._settled: list[torch.Tensor] = []  # buffers after the last completed step
+
+    # -- the model -------------------------------------------------------------------------
+
+    def replicate(self, model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> nn.Module:
+        """Give every rank the same parameters and buffers, and attach the hooks."""
+        model.to(self.device)
+        plan = BucketPlan.of(list(model.parameters()), bucket_bytes)
+        if not plan.params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        self.remove()
+        self.model, self.plan = model, plan
+        self.state = self.transform.init(plan.layouts)
+        self.group.start(self)
+        return model
+
+    def rebind(self) -> None:
+        """Copy rank 0's model to every member and attach the hooks to the current comm."""
+        assert self.model is not None and self.plan is not None
+        self.remove()
+        self.zero_grad()
+        comm = self.group.comm
+        verify_same_model(self.model, comm)
+        broadcast_module(self.model, comm)
+        self.sync = GradientSync(self.plan, comm, self.transform, self.state)
+        if self.group.elastic:
+            self.settle()
+        if self.owner is not None:
+            self.owner.regrouped()
+
+    def settle(self) -> None:
+        """Remember the buffers (BatchNorm's statistics): a redone step starts from them."""
+        assert self.model is not None
+        self._settled = [b.detach().clone() for b in self.model.buffers()]
+
+    def rollback(self) -> None:
+        """Restore the buffers of the last completed step (a step was abandoned)."""
+        assert self.model is not None
+        with torch.no_grad():
+            for b, saved in zip(self.model.buffers(), self._settled, strict=True):
+                b.copy_(saved)
+
+    def load_state(self, states: list[Any]) -> None:
+        """Restore the transform state of a checkpoint (one per rank, as :meth:`gather`)."""
+        comm = self.group.comm
+        if len(states) == comm.world_size:
+            self.state = states[comm.rank]
+        else:  # another number of towers: each starts as a newcomer would
+            self.state = start_from(self.transform, states[0], self._plan().layouts)
+        self._sync().commit(self.state)
+
+    def gather(self) -> list[Any]:
+        """Every rank's transform state (a collective), for a checkpoint."""
+        return self.group.comm.all_gather_object(self.state)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self._plan().params
+
+    def _plan(self) -> BucketPlan:
+        if self.plan is None:
+            raise RuntimeError("call ctx.replicate(model) first")
+        return self.plan
+
+    def _sync(self) -> GradientSync:
+        if self.sync is None:
+            raise RuntimeError("call ctx.replicate(model) first")
+        assert self.sync.comm is self.group.comm, "the group changed without a rebind"
+        return self.sync
+
+    # -- what an elastic group agrees on ---------------------------------------------------
+
+    def progress(self) -> int:
+        return self.owner.progress() if self.owner is not None else 0
+
+    def snapshot(self) -> Any:
+        owner = self.owner.snapshot() if self.owner is not None else None
+        return {"owner": owner, "transform": self.state}
+
+    def adopt(self, snapshot: Any, newcomer: bool) -> None:
+        if self.owner is not None:
+            self.owner.adopt(snapshot["owner"])
+        if newcomer:  # a survivor keeps its own (an error-feedback residual is its own)
+            self.state = start_from(self.transform, snapshot["transform"], self._plan().layouts)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def arm(self) -> None:
+        """The next backward is this step's last: reduce its gradients as they arrive."""
+        self._sync().arm()
+
+    def add(self, loss_sum: float, samples: int) -> None:
+        """Count a backpropagated micro-batch: its loss summed over ``samples`` samples."""
+        self.loss_sum += loss_sum
+        self.samples += samples
+
+    def backward(self, loss: torch.Tensor, samples: int) -> None:
+        """Backpropagate ``loss * samples`` and count it (see :func:`backward_weighted`)."""
+        self.add(backward_weighted(loss, samples), samples)
+
+    def reduce(self, stamp: torch.Tensor | None = None) -> StepResult:
+        """Sum the gradients over all towers and decide the step; the same on every rank.
+
+        Afterwards each parameter's ``.grad`` holds the global batch's gradient, or, if the step
+        is skipped (a loss or gradient was not finite on some tower), ``None``.
+        """
+        sync = self._sync()
+        try:
+            result, state = sync.finish(
+                self.samples, self.loss_sum, stamp, self.group.regroup_wanted
+            )
+        finally:
+            self.samples, self.loss_sum = 0, 0.0
+        if sync.regroup:
+            self.group.regroup_after_step()
+        if result.skipped:
+            self.zero_grad()
+        else:
+            self.state = state
+            sync.commit(state)
+        return result
+
+    def apply(self, result: StepResult, optimizer: torch.optim.Optimizer) -> None:
+        """Step ``optimizer`` unless ``result`` is skipped, then clear the gradients."""
+        if not result.skipped:
+            optimizer.step()
+        self.zero_grad()
+
+    def step(
+        self,
+        backward: Callable[[Callable[[], None]], None],
+        *,
+        stamp: torch.Tensor | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> StepResult:
+        """One whole step: ``backward(arm)`` backpropagates (calling ``arm`` before its last
+        backward and :meth:`add` for what it computed), then reduce, then apply if given an
+        optimizer."""
+        backward(self.arm)
+        result = self.reduce(stamp)
+        if optimizer is not None:
+            self.apply(result, optimizer)
+        return result
+
+    def zero_grad(self) -> None:
+        if self.plan is not None:
+            for p in self.plan.params:
+                p.grad = None
+
+    def remove(self) -> None:
+        """Detach the hooks (the model trains on without averaging)."""
+        if self.sync is not None:
+            self.sync.remove()
+            self.sync = None
