@@ -16,6 +16,8 @@ Example:
     ...         bucket.grads.mul_(0.5)
     ...         return bucket, state
     >>> towers.train(..., transform=chain(Half(), allreduce()))  # doctest: +SKIP
+
+``compression("powersgd:4")`` builds the transform that ``compress="powersgd:4"`` names.
 """
 
 from .engines.transforms import (
@@ -24,7 +26,16 @@ from .engines.transforms import (
     GradientTransform,
     allreduce,
     chain,
+    compression,
     sum_tail,
 )
 
-__all__ = ["Bucket", "BucketLayout", "GradientTransform", "allreduce", "chain", "sum_tail"]
+__all__ = [
+    "Bucket",
+    "BucketLayout",
+    "GradientTransform",
+    "allreduce",
+    "chain",
+    "compression",
+    "sum_tail",
+]

@@ -44,6 +44,7 @@ from ..engines.sync.gradsync import DEFAULT_BUCKET_BYTES
 from ..engines.sync.group import Group
 from ..engines.syncbn import convert_batchnorm
 from ..engines.transforms import GradientTransform
+from .make import reduction
 from .mistakes import (
     BACKWARD_TWICE,
     refuse_distributed_sampler,
@@ -132,6 +133,7 @@ class Context:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         sync_batchnorm: bool = False,
         transform: GradientTransform | None = None,
+        compress: str | None = None,
     ) -> nn.Module:
         """Give every rank rank 0's parameters and buffers, and attach the averaging hooks.
 
@@ -149,6 +151,8 @@ class Context:
                 its own shard and keeps its own running statistics (docs/batchnorm.md).
             transform: how each bucket of gradients is reduced over the towers (see
                 :mod:`towers.transforms`); default: a plain sum. Every rank passes the same.
+            compress: a compression by name, as ``towers.train``'s (``"bf16"``, ``"fp16"``,
+                ``"int8"``, ``"powersgd:R"``); not with ``transform``.
 
         Returns:
             ``model`` itself, moved to :attr:`device`.
@@ -160,6 +164,7 @@ class Context:
             convert_batchnorm(model, self._group)
         elif self.world_size > 1:
             warn_unsynced_buffers(model, "ctx.replicate(model, sync_batchnorm=True)")
+        transform = reduction(transform, compress, model)
         self._driver = SyncDriver(self._group, transform, owner=self)
         return self._driver.replicate(model, bucket_bytes)
 

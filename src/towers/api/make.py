@@ -19,7 +19,7 @@ from ..core.modes import Mode, parse_mode
 from ..engines import checkpoint as checkpoint_files
 from ..engines.checkpoint import estimate_bytes
 from ..engines.job import Job, default_optimizer
-from ..engines.transforms import check_transform
+from ..engines.transforms import check_transform, compression
 from ..processes.guard import check_main_guard
 from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
 from .options import check_options, preflight_eval, refuse_loader
@@ -33,7 +33,7 @@ from .validate import (
     preflight,
 )
 
-__all__ = ["Launch", "make_job"]
+__all__ = ["Launch", "make_job", "reduction"]
 
 # train()'s keywords that a Job carries under the same name, as given
 _AS_GIVEN = (
@@ -106,7 +106,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, Launch]:
         straggle=check_straggle(args["straggle"], workers),
         sync_batchnorm=bool(args["sync_batchnorm"]),
         elastic=bool(args["elastic"]),
-        transform=_transform(args["transform"], mode),
+        transform=reduction(args["transform"], args["compress"], model, str(mode)),
         **{k: args[k] for k in _AS_GIVEN},
     )
     preflight(job, workers)
@@ -138,16 +138,29 @@ def _mode(mode: str, launched: bool) -> Mode:
     return parse_mode(mode)
 
 
-def _transform(transform: Any, mode: Mode) -> Any:
-    """The gradient transform, checked; only the synchronous engine reduces buckets."""
-    if transform is None:
+def reduction(transform: Any, compress: Any, model: Any, mode: str = "sync") -> Any:
+    """The gradient transform that ``transform=`` or ``compress=`` asks for (``None``: a sum).
+
+    Only the synchronous engine reduces buckets; a compression name is checked against the
+    model's weights here, before any worker starts.
+    """
+    if transform is None and compress is None:
         return None
-    if mode.name != "sync":
+    given = "transform=" if compress is None else "compress="
+    if transform is not None and compress is not None:
         raise ValueError(
-            f"transform= applies to mode='sync' (it reduces each bucket of a synchronous step); "
-            f"mode {str(mode)!r} sends every tower's gradient to the parameter server: drop "
-            "transform= or train in sync mode"
+            "give transform= or compress=, not both; to combine a transform with a compression, "
+            "chain them: towers.transforms.chain(my_transform, towers.transforms.compression(...))"
         )
+    if mode != "sync":
+        raise ValueError(
+            f"{given} applies to mode='sync' (it reduces each bucket of a synchronous step); "
+            f"mode {mode!r} sends every tower's gradient to the parameter server: drop {given} "
+            "or train in sync mode"
+        )
+    if compress is not None:
+        shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+        return compression(compress, shapes)
     check_transform(transform)
     check_picklable("transform", transform, "define its class at module level")
     return transform

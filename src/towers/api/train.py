@@ -76,6 +76,7 @@ def train(
     sync_batchnorm: bool = False,
     elastic: bool = False,
     transform: GradientTransform | None = None,
+    compress: str | None = None,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -174,6 +175,11 @@ def train(
         transform: sync mode: how each bucket of gradients is reduced over the towers, a
             gradient transform (see :mod:`towers.transforms`); default a plain sum. Its state
             is saved in checkpoints and handed to replacements in elastic jobs.
+        compress: sync mode: send gradients compressed, for slow links between hosts:
+            ``"bf16"`` or ``"fp16"`` (2 bytes a value, summed in float32), ``"int8"`` (1 byte
+            a value, with error feedback), ``"powersgd:R"`` (rank-R factors of every weight
+            matrix, with error feedback and warm start; see docs/compression.md). Each gives up
+            some exactness for fewer bytes; ``None`` (default) sends every value exactly.
 
     Returns:
         A :class:`TrainResult`.

@@ -58,6 +58,15 @@ class Comm(Protocol):
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None: ...
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """Start sending the r-th of ``world_size`` equal parts of ``input`` to rank r; the
+        r-th part of ``output`` receives rank r's part for this rank."""
+        ...
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """Start gathering every rank's ``input``, in rank order, into ``output``."""
+        ...
+
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -110,6 +119,14 @@ class LocalComm:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         pass
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        output.copy_(input)
+        return _Done()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        output.copy_(input)
+        return _Done()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
@@ -260,6 +277,16 @@ class DistComm:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self._wait(dist.broadcast(tensor, src=src, group=self.group, async_op=True))
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        work = dist.all_to_all_single(output, input, group=self.group, async_op=True)
+        assert work is not None
+        return self._work(work)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        work = _gather_single(output, input, group=self.group, async_op=True)
+        assert work is not None
+        return self._work(work)
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         with self._object_errors():
@@ -296,6 +323,10 @@ class DistComm:
         out: list[Any] = [None]
         dist.recv_object_list(out, src, group=self.group)
         return out[0]
+
+
+# torch >= 2.12 names it all_gather_single and deprecates the older name
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _default_store() -> Any:

@@ -233,6 +233,14 @@ class ShmComm:
         self._drain()
         self.base.broadcast(tensor, src)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        # Only compressed sums ask for it, and on one host they save nothing: the process
+        # group serves them.
+        return self.base.all_to_all(output, input)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        return self.base.all_gather(output, input)
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         self._drain()
         return self.base.all_gather_object(obj)
