@@ -33,7 +33,7 @@ import torch
 from ...comm.group import DEFAULT_TIMEOUT
 from ...core.data import batch_len, num_samples
 from ...core.split import shard_sizes
-from ...core.step import all_finite
+from ...core.step import assign_mean, sum_grads
 from .. import checkpoint
 from ..evaluate import combine, due, evaluate
 from ..fetch import Fetcher
@@ -284,23 +284,11 @@ class Server:
     def apply(self, msgs: list[torch.Tensor], total: int, step: int) -> bool:
         """Apply the summed gradients of ``msgs`` divided by ``total``; False if not finite."""
         params = list(self.model.parameters())
-        per_msg = [self.layout.grads(m, self.model) for m in msgs]
-        grads: list[torch.Tensor | None] = []
-        for i in range(len(params)):
-            present = [g for grads_of_msg in per_msg if (g := grads_of_msg[i]) is not None]
-            if not present:
-                grads.append(None)
-                continue
-            g = present[0] if len(present) == 1 else torch.stack(present).sum(0)
-            if not all_finite(g):
-                return False
-            grads.append(g)
+        summed = sum_grads([self.layout.grads(m, self.model) for m in msgs])
+        if not assign_mean(params, summed, total):
+            return False
         opt = cast(torch.optim.Optimizer, self.replica.optimizer)
         self.replica.schedule_to(self.job.scheduled(step))
-        for p, g in zip(params, grads):
-            # The worker backpropagated loss * samples, as the sync engine does; dividing here
-            # gives a one-tower step the same rounding as a synchronous one.
-            p.grad = None if g is None else g.to(p.device).div(total)
         opt.step()
         for p in params:
             p.grad = None
