@@ -293,14 +293,14 @@ def _run(job: Job, workers: int, launched: bool, max_restarts: int) -> tuple[Eng
 
 def _mode(mode: str, launched: bool) -> Mode:
     """The mode to train in: ``towers run --mode M`` makes ``M`` the default."""
-    if launched and mode == "sync" and os.environ.get("TOWERS_MODE", "sync") != "sync":
-        mode = os.environ["TOWERS_MODE"]
+    if launched and mode == "sync":  # train()'s default
+        mode = os.environ.get("TOWERS_MODE", mode)
     return parse_mode(mode)
 
 
 def _workers(mode: Mode, workers: int, launched: bool) -> int:
     """Computing towers: ``workers``, or what a launched job's world size leaves for them."""
-    server = 0 if mode.name == "sync" else 1  # the parameter server is one more process
+    server = mode.servers  # the parameter server is one more process
     if launched:
         world = int(os.environ["WORLD_SIZE"])
         if world != workers + server:

@@ -113,11 +113,8 @@ def check_arguments(
 
 
 def check_workers(mode: Mode, workers: int) -> None:
-    if mode.name == "backup" and mode.arg >= workers:  # type: ignore[operator]
-        raise ValueError(
-            f"mode {mode} drops {mode.arg} shards per step but there are only {workers} "
-            f"workers; B must be below workers"
-        )
+    """``ValueError`` if ``mode`` cannot train with ``workers`` computing towers."""
+    mode.check_workers(workers)
 
 
 def warn_non_finite(data: Any) -> None:
