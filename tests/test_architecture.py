@@ -6,8 +6,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "towers"
 # A module may import from its own layer and the layers before it, never from a later one.
 LAYERS = ["core", "comm", "processes", "engines", "api", "tools"]
@@ -15,48 +13,43 @@ MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80  # code lines: a docstring does not count
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out
 
 
-def _type_checking_only(tree: ast.Module) -> set[int]:
-    """Line numbers of imports under ``if TYPE_CHECKING:`` (annotations only, never run)."""
-    lines = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for inner in ast.walk(node):
-                if isinstance(inner, (ast.Import, ast.ImportFrom)):
-                    lines.add(inner.lineno)
-    return lines
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that ``name`` imports, resolved to module names.
 
-
-def _imports(name: str, path: Path) -> set[str]:
-    """The towers modules ``name`` imports (at run time), resolved to module names."""
+    Every import counts, those under ``if TYPE_CHECKING:`` too: an import for annotations is a
+    dependency all the same, and one that closes a cycle hides a design that needs it.
+    """
     tree = ast.parse(path.read_text())
-    skip = _type_checking_only(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    root = package.split(".")[0]
     found = set()
     for node in ast.walk(tree):
-        if getattr(node, "lineno", None) in skip:
-            continue
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("towers")}
+            found |= {a.name for a in node.names if a.name.startswith(root)}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target.startswith("towers"):
+            if target.startswith(root):
                 found.add(target)
                 found |= {f"{target}.{a.name}" for a in node.names}
-    modules = _modules()
     return {m for m in found if m in modules and m != name}
+
+
+def _graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    modules = _modules(package)
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
 def _layer(module: str) -> int:
@@ -65,9 +58,10 @@ def _layer(module: str) -> int:
 
 
 def test_layers_import_downwards_only():
+    """Imports under ``if TYPE_CHECKING:`` count here too."""
     problems = []
-    for name, path in _modules().items():
-        for target in _imports(name, path):
+    for name, targets in _graph().items():
+        for target in targets:
             if _layer(target) > _layer(name):
                 problems.append(f"{name} imports {target}")
     assert not problems, "imports against the layers:\n" + "\n".join(problems)
@@ -87,29 +81,54 @@ def test_the_pure_core_never_touches_torch_distributed():
             assert not any(n.startswith("torch.distributed") for n in names), (name, names)
 
 
-def test_no_import_cycles():
-    graph = {name: _imports(name, path) for name, path in _modules().items()}
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """An import cycle of ``graph``, as the modules along it, or ``None``."""
     # A package's __init__ importing its own modules is how packages are built, not a cycle.
-    for name in graph:
-        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
+    graph = {n: {t for t in targets if not n.startswith(t + ".")} for n, targets in graph.items()}
     state: dict[str, int] = {}
     stack: list[str] = []
 
-    def visit(node: str) -> None:
+    def visit(node: str) -> list[str] | None:
         state[node] = 1
         stack.append(node)
-        for nxt in graph[node]:
+        for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycle = [*stack[stack.index(nxt) :], nxt]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
-            if nxt not in state:
-                visit(nxt)
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
         stack.pop()
         state[node] = 2
+        return None
 
-    for node in graph:
-        if node not in state:
-            visit(node)
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycles():
+    """Imports under ``if TYPE_CHECKING:`` count: a cycle for annotations is a cycle."""
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_an_import_for_annotations_only_closes_a_cycle_too(tmp_path):
+    pkg = tmp_path / "towers"
+    (pkg / "engines").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('"""."""\n')
+    (pkg / "engines" / "__init__.py").write_text('"""."""\nfrom . import server\n')
+    (pkg / "engines" / "server.py").write_text('"""."""\nfrom .policies import Policy\n')
+    (pkg / "engines" / "policies.py").write_text(
+        '"""."""\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n'
+        "    from .server import Server\n"
+    )
+    graph = _graph(pkg)
+    assert graph["towers.engines.policies"] == {"towers.engines.server"}
+    cycle = _cycle(graph)
+    assert cycle is not None and cycle[0] == cycle[-1]
+    assert set(cycle) == {"towers.engines.policies", "towers.engines.server"}
+    (pkg / "engines" / "policies.py").write_text('"""."""\n')
+    assert _cycle(_graph(pkg)) is None  # the package's __init__ importing its module is no cycle
 
 
 def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:

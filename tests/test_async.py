@@ -6,6 +6,8 @@ Reference values are computed in the test from plain PyTorch or the sync engine,
 
 from __future__ import annotations
 
+import collections
+import copy
 import functools
 import math
 import os
@@ -21,7 +23,26 @@ from conftest import descendants
 import towers
 from towers.core.data import BatchCache, batch_len, global_batches
 from towers.engines.checkpoint import checkpoint_files
-from towers.engines.ps.wire import Kind, Layout, read_header
+from towers.engines.ps.actions import (
+    Ahead,
+    Apply,
+    Average,
+    CloseStep,
+    CollectParams,
+    Drop,
+    HandOut,
+    Idle,
+    OpenStep,
+    Record,
+    Refill,
+    Requeue,
+    ShardDone,
+    Skip,
+    Stale,
+)
+from towers.engines.ps.policies import AsyncPolicy, BackupPolicy, LocalPolicy, Result, SspPolicy
+from towers.engines.ps.state import ServerState, Shard
+from towers.engines.ps.wire import Header, Kind, Layout, read_header
 from towers.tools.zoo import Parabola, parabola_data, parabola_loss
 
 STEPS = 300  # seed 003's parabola: 300 global batches of 50
@@ -149,6 +170,130 @@ def test_invalid_backup_and_straggle_arguments_are_refused_before_any_process_st
         _train("async", 2, straggle={2: 3.0})
     with pytest.raises(ValueError, match="factor"):
         _train("async", 2, straggle={1: 0.5})
+
+
+# -- policies: decisions on a state, without processes ----------------------------------------
+
+
+def _header(kind=Kind.RESULT, *, step=0, shard=0, samples=5, loss=1.0, bad=False, **more):
+    fields = dict(version=0, aux=0, payload=True, weight=0) | more
+    return Header(kind, step=step, shard=shard, samples=samples, loss=loss, bad=bad, **fields)
+
+
+def _result(tower, shard, pulled=0, **header):
+    """Tower ``tower``'s answer to ``shard``, with a message of its own (compared by identity)."""
+    h = _header(step=shard.step, shard=shard.index, samples=shard.samples, **header)
+    return Result(tower, h, torch.zeros(8, dtype=torch.uint8), shard, pulled)
+
+
+def _decide(decision, s, *args):
+    """The policy's actions; a policy reads the state and never changes it."""
+    before = copy.deepcopy(s)
+    actions = decision(s, *args)
+    assert s == before, "a policy changed the server's state"
+    return actions
+
+
+def _apply(action, results, samples, step, pulled):
+    assert isinstance(action, Apply)
+    assert (action.samples, action.step, action.pulled) == (samples, step, pulled)
+    assert [m is r.message for m, r in zip(action.messages, results)] == [True] * len(results)
+    assert action.culprits == tuple(sorted(r.tower for r in results))
+
+
+def test_async_policy_answers_at_once_and_applies_each_result():
+    s, p = ServerState.fresh(towers=2, steps=1), AsyncPolicy()
+    s.clock = [2, 1]
+    assert _decide(p.serve, s, 0) == [Refill(), Ahead(1), HandOut(0)]
+    s.next_step = 1  # every global batch cut, and the queue empty: nothing to hand out
+    assert _decide(p.serve, s, 1) == []
+    r = _result(1, Shard(0, 1, 5), pulled=3, loss=2.5)
+    record, use, *rest = _decide(p.on_result, s, r)
+    assert record == Record(0, 1, 2.5, 5) and rest == [Idle(1), ShardDone(0)]
+    _apply(use, [r], samples=5, step=0, pulled=3)
+    bad = _result(0, Shard(0, 0, 5), bad=True)
+    assert _decide(p.on_result, s, bad)[1:] == [Skip(0, (0,)), Idle(0), ShardDone(0)]
+    lost = Shard(0, 1, 5)
+    assert _decide(p.on_lost, s, 1, lost) == [Requeue(lost)]
+    assert _decide(p.on_lost, s, 1, None) == []
+    s.pending, s.busy = collections.deque([Shard(0, 0, 5)]), {1: (lost, 0)}
+    assert p.unapplied(s) == [Shard(0, 0, 5), lost] and p.checkpointable(s)
+    assert not p.finished(s)
+    s.done = 1
+    assert p.finished(s)
+
+
+def test_ssp_policy_holds_a_tower_more_than_s_results_ahead():
+    s = ServerState.fresh(towers=3, steps=10)
+    s.clock = [4, 1, 3]
+    assert _decide(SspPolicy(2).serve, s, 0) == []  # 3 ahead of tower 1: held
+    assert _decide(SspPolicy(2).serve, s, 2) == [Refill(), Ahead(2), HandOut(2)]
+    assert _decide(SspPolicy(3).serve, s, 0) == [Refill(), Ahead(3), HandOut(0)]
+    s.live.discard(1)  # the slowest died: the bound counts from the slowest live tower
+    assert _decide(SspPolicy(0).serve, s, 0) == []  # 1 ahead of tower 2
+    assert _decide(SspPolicy(1).serve, s, 0) == [Refill(), Ahead(1), HandOut(0)]
+
+
+def test_backup_policy_applies_the_first_shards_and_drops_the_late_one():
+    s, p = ServerState.fresh(towers=3, steps=2), BackupPolicy(spares=1, towers=3)
+    assert _decide(p.serve, s, 0) == [OpenStep(0), HandOut(0)]
+    # as the server left it: step 0 cut into 3 shards, the first handed out
+    s.left[0], s.pending = 3, collections.deque([Shard(0, 1, 4), Shard(0, 2, 4)])
+    assert _decide(p.serve, s, 1) == [HandOut(1)]
+    s.pending.clear()
+    assert _decide(p.serve, s, 2) == []  # held: the step has no shard left
+    first = _result(2, Shard(0, 2, 4), pulled=0, loss=1.0)
+    assert _decide(p.on_result, s, first) == [Idle(2)]  # 1 of the 3 - 1 needed
+    second = _result(0, Shard(0, 0, 5), pulled=0, loss=3.0)
+    actions = _decide(p.on_result, s, second)
+    assert actions[:2] == [Record(0, 2, 1.0, 4), Record(0, 0, 3.0, 5)]
+    _apply(actions[2], [first, second], samples=9, step=0, pulled=0)
+    assert actions[3:] == [CloseStep(0), Idle(0)]
+    s.current = 1  # the server closed step 0
+    late = _result(1, Shard(0, 1, 4))
+    assert _decide(p.on_result, s, late) == [Drop(0, 1), Idle(1)]
+    assert _decide(p.on_lost, s, 1, Shard(0, 1, 4)) == []  # its step was applied without it
+    # step 1 has a single shard: it needs only that one; a non-finite one skips the step
+    assert _decide(p.serve, s, 1) == [OpenStep(1), HandOut(1)]
+    s.left[1] = 1
+    assert _decide(p.on_lost, s, 1, Shard(1, 0, 3)) == [Requeue(Shard(1, 0, 3))]
+    bad = _result(2, Shard(1, 0, 3), bad=True, loss=math.nan)
+    actions = _decide(p.on_result, s, bad)
+    assert actions[1:] == [Skip(1, (2,)), CloseStep(1), Idle(2)]
+    assert p.unapplied(s) == []  # the step in progress is opened anew after a resume
+
+
+def test_local_policy_averages_once_every_live_tower_sent_its_parameters():
+    s, p = ServerState.fresh(towers=3, steps=1), LocalPolicy(towers=3)
+    assert _decide(p.serve, s, 0) == [Refill(), HandOut(0, params=True)]
+    assert _decide(p.serve, s, 0) == [Refill(), HandOut(0, params=False)]  # it holds them
+    one = _result(0, Shard(0, 0, 5), aux=0, payload=False, loss=2.0)
+    assert _decide(p.on_result, s, one) == [Record(0, 0, 2.0, 5), Stale(0), Idle(0), ShardDone(0)]
+    kth = _result(1, Shard(0, 1, 5), aux=3, weight=20, loss=1.0)  # its K-th step: it waits
+    assert _decide(p.on_result, s, kth) == [Record(0, 1, 1.0, 5), Stale(3), ShardDone(0)]
+    bad = _result(2, Shard(0, 2, 5), aux=1, payload=False, bad=True)
+    assert _decide(p.on_result, s, bad)[1:] == [Skip(0, (2,)), Idle(2), ShardDone(0)]
+    assert _decide(p.settle, s) == []  # towers 0 and 2 have not sent their parameters
+    s.next_step = 1  # no shard left this round
+    assert _decide(p.serve, s, 2) == [CollectParams(2)]
+    params = torch.zeros(8, dtype=torch.uint8)
+    assert _decide(p.on_params, s, 2, _header(Kind.PARAMS, weight=7), params) == []
+    s.live.discard(0)  # tower 0 died: the average does not wait for it
+    assert _decide(p.on_lost, s, 0, None) == []
+    s.done = 1  # every global batch is complete: this average is the last
+    average, *idle = _decide(p.settle, s)
+    assert isinstance(average, Average) and average.final
+    assert [(m is want, w) for (m, w), want in zip(average.submitted, [kth.message, params])] == [
+        (True, 20),
+        (True, 7),
+    ]
+    assert sorted(idle, key=lambda a: a.tower) == [Idle(1), Idle(2)]
+    assert p.checkpointable(s) and not p.checkpointable(s)  # once, right after the average
+    s.next_step = 0
+    assert _decide(p.serve, s, 1) == [Refill(), HandOut(1, params=True)]  # the average
+    assert not p.finished(s) and p.server_optimizer is False
+    s.final = True
+    assert p.finished(s) and _decide(p.settle, s) == []
 
 
 # -- modes ------------------------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""The arithmetic of a synchronous step, without processes: metadata, culprits, division, None."""
+"""The arithmetic of a step, without processes: metadata, culprits, division, None.
+
+The synchronous step divides an all-reduced flat buffer (``assign_grads``); the parameter server
+sums the towers' per-parameter gradients (``sum_grads``) and divides them (``assign_mean``). Both
+follow one rule, checked here against each other and against ``average_gradients``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import pytest
 import torch
 
 from towers import average_gradients
-from towers.core.step import StepMeta, assign_grads, step_result
+from towers.core.step import StepMeta, assign_grads, assign_mean, step_result, sum_grads
 
 
 def _summed(meta: StepMeta, towers: list[tuple[int, float, bool, list[float]]]) -> torch.Tensor:
@@ -75,3 +80,45 @@ def test_a_parameter_no_tower_had_a_gradient_for_keeps_none():
     assign_grads(params, flat, [(0, 0, 2), (1, 2, 4)], total=2, had_grad=[True, False])
     assert params[0].grad.tolist() == [1.0, 2.0]
     assert params[1].grad is None
+
+
+def test_server_arithmetic_is_the_weighted_average_and_the_sync_step_bit_for_bit():
+    """Per-tower gradients (n_i * g_i) summed and divided by N: average_gradients weighted by
+    n_i, and exactly what assign_grads makes of the same sums in a flat buffer."""
+    torch.manual_seed(0)
+    params = [torch.zeros(3, 2, requires_grad=True), torch.zeros(4, requires_grad=True)]
+    counts = [5, 2, 1]
+    grads = [[torch.randn(3, 2), torch.randn(4)] for _ in counts]
+    summed = sum_grads([[g * n for g in gs] for gs, n in zip(grads, counts)])
+    assert assign_mean(params, summed, total=sum(counts))
+    expected = average_gradients([list(zip(gs, params)) for gs in grads], weights=counts)
+    for p, (g, _) in zip(params, expected):
+        torch.testing.assert_close(p.grad, g)
+
+    twins = [torch.zeros_like(p, requires_grad=True) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in summed if g is not None])
+    assign_grads(twins, flat, [(0, 0, 6), (1, 6, 10)], sum(counts), had_grad=[True, True])
+    for p, twin in zip(params, twins):
+        assert torch.equal(p.grad, twin.grad)
+
+
+def test_server_arithmetic_keeps_none_where_no_tower_had_a_gradient():
+    a, b, c = (torch.zeros(2, requires_grad=True) for _ in range(3))
+    g = torch.tensor([2.0, 4.0])
+    summed = sum_grads([[g, None, None], [torch.tensor([2.0, 0.0]), torch.ones(2), None]])
+    # a None in some towers counts as zero, in every tower it stays None
+    assert summed[0].tolist() == [4.0, 4.0] and summed[1].tolist() == [1.0, 1.0]
+    assert summed[2] is None
+    assert sum_grads([[g, None]])[0] is g  # a single contributor is used as it is
+    assert assign_mean([a, b, c], summed, total=2)
+    assert a.grad.tolist() == [2.0, 2.0] and b.grad.tolist() == [0.5, 0.5] and c.grad is None
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_server_arithmetic_touches_nothing_when_a_sum_is_not_finite(bad):
+    a, b = torch.zeros(2, requires_grad=True), torch.zeros(1, requires_grad=True)
+    before = torch.tensor([7.0, 7.0])
+    a.grad = before
+    summed = sum_grads([[torch.ones(2), torch.tensor([bad])], [torch.ones(2), None]])
+    assert not assign_mean([a, b], summed, total=3)
+    assert a.grad is before and b.grad is None

@@ -15,7 +15,7 @@ from typing import Any
 from ..comm.group import launched_env
 from ..core.args import check_timeout
 from ..core.data import batches_per_epoch
-from ..core.modes import Mode, parse_mode
+from ..core.modes import Engine, Mode, parse_mode
 from ..engines import checkpoint as checkpoint_files
 from ..engines.checkpoint import estimate_bytes
 from ..engines.job import Job, default_optimizer
@@ -87,7 +87,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, Launch]:
     check_workers(mode, workers)
     batch_size, accumulate = args["batch_size"], args["accumulate"]
     check_sync_batchnorm(args["sync_batchnorm"], model, mode, workers, n, batch_size, accumulate)
-    if not launched and (workers > 1 or mode.name != "sync" or args["max_restarts"]):
+    if not launched and (workers > 1 or mode.servers or args["max_restarts"]):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
     check_elastic(args["elastic"], mode, args["transport"], launched)
     job = Job(
@@ -106,7 +106,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, Launch]:
         straggle=check_straggle(args["straggle"], workers),
         sync_batchnorm=bool(args["sync_batchnorm"]),
         elastic=bool(args["elastic"]),
-        transform=reduction(args["transform"], args["compress"], model, str(mode)),
+        transform=reduction(args["transform"], args["compress"], model, mode),
         **{k: args[k] for k in _AS_GIVEN},
     )
     preflight(job, workers)
@@ -133,12 +133,12 @@ def _total_steps(steps: int | None, epochs: int | None, samples: int, batch_size
 
 def _mode(mode: str, launched: bool) -> Mode:
     """The mode to train in: ``towers run --mode M`` makes ``M`` the default."""
-    if launched and mode == "sync" and os.environ.get("TOWERS_MODE", "sync") != "sync":
-        mode = os.environ["TOWERS_MODE"]
+    if launched and mode == "sync":  # train()'s default
+        mode = os.environ.get("TOWERS_MODE", mode)
     return parse_mode(mode)
 
 
-def reduction(transform: Any, compress: Any, model: Any, mode: str = "sync") -> Any:
+def reduction(transform: Any, compress: Any, model: Any, mode: Mode | None = None) -> Any:
     """The gradient transform that ``transform=`` or ``compress=`` asks for (``None``: a sum).
 
     Only the synchronous engine reduces buckets; a compression name is checked against the
@@ -152,11 +152,11 @@ def reduction(transform: Any, compress: Any, model: Any, mode: str = "sync") -> 
             "give transform= or compress=, not both; to combine a transform with a compression, "
             "chain them: towers.transforms.chain(my_transform, towers.transforms.compression(...))"
         )
-    if mode != "sync":
+    if mode is not None and mode.engine is not Engine.SYNC:
         raise ValueError(
             f"{given} applies to mode='sync' (it reduces each bucket of a synchronous step); "
-            f"mode {mode!r} sends every tower's gradient to the parameter server: drop {given} "
-            "or train in sync mode"
+            f"mode {str(mode)!r} sends every tower's gradient to the parameter server: drop "
+            f"{given} or train in sync mode"
         )
     if compress is not None:
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from ..core.messages import shorten
+from ..core.modes import Engine
 
 __all__ = [
     "BACKWARD_TWICE",
@@ -114,11 +115,11 @@ def check_sync_batchnorm(
     if not sync_batchnorm:
         if workers > 1:
             fix = "train(..., sync_batchnorm=True)"
-            if mode.name != "sync":
+            if mode.engine is not Engine.SYNC:
                 fix += " in mode='sync'"
             warn_unsynced_buffers(model, fix, stacklevel=5)
         return
-    if mode.name != "sync":
+    if mode.engine is not Engine.SYNC:
         raise ValueError(
             f"sync_batchnorm=True needs mode='sync' (got {mode}): in the asynchronous modes the "
             "towers do not run their forward passes together"

@@ -20,7 +20,7 @@ from torch import nn
 from ..comm.group import TRANSPORTS
 from ..core.data import global_batches, num_samples, take
 from ..core.messages import shorten
-from ..core.modes import Mode
+from ..core.modes import Engine, Mode
 from ..core.split import leaves, split
 from ..engines.job import Job
 from ..engines.replica import check_loss
@@ -116,11 +116,8 @@ def check_arguments(
 
 
 def check_workers(mode: Mode, workers: int) -> None:
-    if mode.name == "backup" and mode.arg >= workers:  # type: ignore[operator]
-        raise ValueError(
-            f"mode {mode} drops {mode.arg} shards per step but there are only {workers} "
-            f"workers; B must be below workers"
-        )
+    """``ValueError`` if ``mode`` cannot train with ``workers`` computing towers."""
+    mode.check_workers(workers)
 
 
 def warn_non_finite(data: Any) -> None:
@@ -207,7 +204,7 @@ def check_elastic(elastic: Any, mode: Mode, transport: str | None, launched: boo
         )
     if not elastic:
         return
-    if mode.name != "sync":
+    if mode.engine is not Engine.SYNC:
         raise ValueError(
             f"elastic=True applies to mode='sync' (a lost worker's share of each global batch "
             f"goes to the others, with exact results); mode {str(mode)!r} already goes on "
@@ -230,7 +227,7 @@ def launched_workers(mode: Mode, workers: int, launched: bool) -> int:
     """Computing towers: ``workers``, or what a launched job's world size leaves for them."""
     if not launched:
         return workers
-    server = 0 if mode.name == "sync" else 1  # the parameter server is one more process
+    server = mode.servers  # the parameter server is one more process
     world = int(os.environ["WORLD_SIZE"])
     if world != workers + server:
         warnings.warn(

@@ -7,6 +7,10 @@ sample count, its loss sum, whether anything it computed was not finite, and whi
 got a gradient at all. :class:`StepMeta` lays those out in one float64 vector per tower, placed
 so that the *sum* over towers (what an all-reduce computes) still holds every tower's values;
 :func:`tally` reads the summed vector back, and :func:`step_result` decides the step.
+
+The parameter server, which receives each tower's gradients as one tensor per parameter, sums
+them with :func:`sum_grads` and hands them over with :func:`assign_mean`: the same division, the
+same ``None`` rule and the same finite check as :func:`assign_grads` after an all-reduce.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ __all__ = [
     "all_finite",
     "apply_sums",
     "assign_grads",
+    "assign_mean",
     "step_result",
+    "sum_grads",
 ]
 
 
@@ -182,3 +188,44 @@ def apply_sums(
         for flat, slots in sums:
             assign_grads(params, flat, slots, tally.total, tally.had_grad)
     return result
+
+
+def sum_grads(tower_grads: Sequence[Sequence[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+    """Each parameter's gradient summed over the towers; ``None`` where no tower had one.
+
+    ``tower_grads[t][i]``: tower t's gradient of parameter i, ``None`` if it had none (it then
+    counts as zero, as in ``average_gradients``). A parameter only one tower had a gradient for
+    gets that tensor itself, not a copy.
+    """
+    summed: list[torch.Tensor | None] = []
+    for grads in zip(*tower_grads):
+        present = [g for g in grads if g is not None]
+        if not present:
+            summed.append(None)
+        else:
+            summed.append(present[0] if len(present) == 1 else torch.stack(present).sum(0))
+    return summed
+
+
+def assign_mean(
+    params: Sequence[torch.Tensor], summed: Sequence[torch.Tensor | None], total: int
+) -> bool:
+    """Give every parameter its summed gradient divided by ``total``, unless one is not finite.
+
+    The rule of :func:`assign_grads` for gradients held one tensor per parameter: a parameter
+    no tower had a gradient for (``None``) keeps ``grad = None``. If any sum holds a NaN or an
+    infinity, no parameter is touched and the result is ``False``: the step is skipped.
+
+    Example::
+
+        >>> p = torch.zeros(2, requires_grad=True)
+        >>> assign_mean([p], [torch.tensor([2.0, 4.0])], total=2), p.grad.tolist()
+        (True, [1.0, 2.0])
+    """
+    if not all(all_finite(g) for g in summed if g is not None):
+        return False
+    for p, g in zip(params, summed, strict=True):
+        # towers backpropagated loss * samples; dividing here gives a one-tower step the
+        # rounding of a synchronous one
+        p.grad = None if g is None else g.to(p.device).div(total)
+    return True

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..core.data import batches_per_epoch, num_samples
-from ..core.modes import Mode
+from ..core.modes import Engine, Mode
 from .transforms import GradientTransform
 
 __all__ = [
@@ -61,7 +61,7 @@ class Job:
     data: Any
     batch_size: int
     steps: int  # global batches in all
-    mode: Mode
+    mode: Mode  # an instance of one of the classes in towers.engines.modes
     optimizer: OptimizerFactory = default_optimizer
     lr_schedule: ScheduleFactory | None = None
     seed: int = 0
@@ -88,7 +88,7 @@ class Job:
     @property
     def asynchronous(self) -> bool:
         """Whether a parameter server (one more process, rank 0) runs the job."""
-        return self.mode.name != "sync"
+        return self.mode.engine is Engine.SERVER
 
     def scheduled(self, done: int) -> int:
         """How many times the schedule has stepped once ``done`` global batches are complete."""

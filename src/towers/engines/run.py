@@ -1,17 +1,22 @@
-"""Where a worker enters an engine: join the job, train it synchronously or through the server.
+"""Where a worker enters an engine: join the job, train it with the engine its mode names.
 
 :func:`run_job` is what ``towers.train`` starts in every worker (or calls in its own process);
-:func:`load_resume` reads and checks, in the caller, the checkpoint a run continues from.
+:func:`load_resume` reads and checks, in the caller, the checkpoint a run continues from. Which
+engine trains a job is its mode's ``engine`` (:mod:`towers.engines.modes`); each engine's entry,
+resume check and transport are in ``_ENGINES``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..comm.group import connect
+from ..comm.group import Connection, connect
 from ..core.data import BatchOrder, num_samples
+from ..core.modes import Engine
 from . import checkpoint
 from .job import EngineResult, Job
 from .ps import check_resumable, run_ps
@@ -20,18 +25,36 @@ from .sync.loop import sync_loop
 __all__ = ["load_resume", "run_job"]
 
 
+def _check_sync_resumable(job: Job, state: dict[str, Any], workers: int) -> None:
+    BatchOrder(num_samples(job.data), job.batch_size, job.shuffle, job.seed).check_config(
+        state["data"]
+    )
+
+
+@dataclass(frozen=True)
+class _Entry:
+    train: Callable[[Job, Connection, dict[str, Any] | None], EngineResult | None]
+    check_resumable: Callable[[Job, dict[str, Any], int], None]  # ValueError if it cannot go on
+    # Talks point to point over the process group's own backend: a shared-memory segment for
+    # collectives would go unused.
+    point_to_point: bool
+
+
+_ENGINES = {
+    Engine.SYNC: _Entry(sync_loop, _check_sync_resumable, point_to_point=False),
+    Engine.SERVER: _Entry(run_ps, check_resumable, point_to_point=True),
+}
+
+
 def run_job(job: Job, resume: dict[str, Any] | None) -> EngineResult | None:
     """Train ``job`` as this rank; the rank that holds the record returns it."""
+    engine = _ENGINES[job.mode.engine]
     transport = job.transport
-    if job.asynchronous:
-        # The parameter server talks over its own point-to-point group: a shared-memory segment
-        # for collectives would go unused, so take the process group's own backend.
+    if engine.point_to_point:
         transport = "nccl" if torch.cuda.is_available() else "gloo"
     conn = connect(timeout=job.timeout, transport=transport)
     try:
-        if job.asynchronous:
-            return run_ps(job, conn, resume)
-        return sync_loop(job, conn, resume)
+        return engine.train(job, conn, resume)
     finally:
         conn.close()
 
@@ -44,8 +67,7 @@ def load_resume(job: Job, workers: int) -> dict[str, Any] | None:
     """
     if job.checkpoint is None:
         return None
-    kind = "ps" if job.asynchronous else "sync"
-    state = checkpoint.load_latest(job.checkpoint, kind)
+    state = checkpoint.load_latest(job.checkpoint, job.mode.engine.value)
     if state is None:
         return None
     if state["mode"] != str(job.mode):
@@ -53,11 +75,7 @@ def load_resume(job: Job, workers: int) -> dict[str, Any] | None:
             f"the checkpoint in {job.checkpoint} is of a {state['mode']!r} run, this run is "
             f"{str(job.mode)!r}; use another checkpoint directory"
         )
-    if job.asynchronous:
-        check_resumable(job, state, workers)
-    else:
-        order = BatchOrder(num_samples(job.data), job.batch_size, job.shuffle, job.seed)
-        order.check_config(state["data"])
+    _ENGINES[job.mode.engine].check_resumable(job, state, workers)
     if state["step"] > job.steps:
         raise ValueError(
             f"the checkpoint in {job.checkpoint} is at step {state['step']}, beyond "

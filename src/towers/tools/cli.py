@@ -58,7 +58,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..core.modes import parse_mode
+    from ..core.modes import Engine, parse_mode
     from ..processes.launch import run_script
 
     try:
@@ -70,9 +70,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"towers run: no such script: {args.script}", file=sys.stderr)
         return 2
     processes = args.nproc
-    if mode.name != "sync":
+    if mode.servers:
         # towers.train in the script trains in this mode; the parameter server is rank 0
-        processes += 1
+        processes += mode.servers
         print(
             f"towers run: mode {mode}: rank 0 is the parameter server, ranks 1..{args.nproc} "
             "compute",
@@ -85,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.elastic:
         from ..processes.elastic import run_script_elastic
 
-        if mode.name != "sync" or args.max_restarts < 0:
+        if mode.engine is not Engine.SYNC or args.max_restarts < 0:
             print("towers run: --elastic needs sync mode and --max-restarts >= 0", file=sys.stderr)
             return 2
         if args.nnodes > 1:

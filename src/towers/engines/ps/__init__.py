@@ -6,6 +6,9 @@ schedule, and computes nothing); ranks 1..workers are the computing towers, towe
 ``workers + 1`` processes, and a launched run (``torchrun``) needs ``WORLD_SIZE = workers + 1``.
 See docs/async.md for the protocol, each mode's semantics and the measurements behind them.
 
+The job's mode (a :class:`~towers.engines.ps.mode.ServerMode`) is asked once, here: for the
+server's policy and for each tower's role; the server and the towers never look at it again.
+
 Messages go through shared memory when every rank runs on one host
 (:class:`~towers.comm.mailbox.ShmPointToPoint`: memory copies instead of loopback TCP), and over
 Gloo point-to-point otherwise, or with ``transport="gloo"``.
@@ -24,17 +27,19 @@ from ...comm.segment import ShmUnavailable
 from ...processes.env import set_process_name
 from ..broadcast import verify_same_model
 from ..job import EngineResult, Job
+from .mode import ServerMode, server_mode
 from .resume import check_resumable
 from .server import Server
 from .wire import Layout, ServerLink, WorkerLink
 from .worker import work
 
-__all__ = ["check_resumable", "run_ps"]
+__all__ = ["ServerMode", "check_resumable", "run_ps"]
 
 
 def run_ps(job: Job, conn: Connection, resume: dict[str, Any] | None) -> EngineResult | None:
     """Run this rank's part; the server returns the result (every rank does if launched)."""
     world, rank = conn.comm.world_size, conn.comm.rank
+    mode = server_mode(job.mode)
     if world < 2:
         raise ValueError(
             f"mode {job.mode} needs a server and at least one worker: 2 or more processes, "
@@ -47,18 +52,19 @@ def run_ps(job: Job, conn: Connection, resume: dict[str, Any] | None) -> EngineR
     verify_same_model(job.model, comm)
     layout = Layout(job.model)
     towers = world - 1
-    link = _messages(job, comm, layout.size)
+    messages = _messages(job, comm, layout.size)
     comm.barrier()
     if rank == 0:
         set_process_name("towers-server")
-        server = Server(job, ServerLink(link, layout, towers), layout, towers, conn.device, resume)
+        link = ServerLink(messages, layout, towers)
+        server = Server(job, link, layout, towers, conn.device, mode.policy(towers), resume)
         result = server.run()
         if job.every_rank:
             for t in sorted(set(range(towers)) - set(result.dead_workers)):
                 comm.send_object(result, t + 1)
         return result
     set_process_name(f"towers-tower{rank - 1}")
-    work(WorkerLink(link, layout), job, rank - 1, towers, conn.device)
+    work(WorkerLink(messages, layout), job, mode.role(), rank - 1, towers, conn.device)
     return comm.recv_object(0) if job.every_rank else None
 
 

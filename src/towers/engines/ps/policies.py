@@ -1,11 +1,22 @@
-"""The asynchronous modes as policies: when a request is answered, what an arriving result does.
+"""The parameter server's modes as policies: they decide, the server acts.
 
-Every policy has the same few methods, called by the server's event loop
-(:class:`~towers.engines.ps.server.Server`): ``serve`` answers an idle tower (or leaves it
-waiting), ``on_result`` takes a tower's message, ``on_lost`` a tower's death, ``finished`` says
-whether training is over, ``checkpointable`` whether the state may be saved now, and
-``unapplied`` lists the shards a checkpoint must hand out again. :class:`Async` is the base; the
-other modes change what differs:
+A policy reads the server's state (:class:`~towers.engines.ps.state.ServerState`, never changed
+here) and returns what to do as a list of actions (:mod:`towers.engines.ps.actions`), which the
+server carries out in order. A policy may keep bookkeeping of its own (results held for an
+average, the step it opened). The server asks:
+
+- ``serve(state, tower)``: an idle tower waits; answer it (a shard, a request for parameters) or
+  hold it (no actions);
+- ``on_result(state, result)``: a tower answered its shard (the server has already taken the
+  shard off the tower's hands); ``on_params``: a tower sent its parameters (``local:K``);
+- ``on_lost(state, tower, shard)``: a tower died (the server has already let it go) holding
+  ``shard``;
+- ``settle(state)``: after an event's actions are done, anything that follows from the new state
+  (``local:K``: the average, once every live tower has sent its parameters);
+- ``finished``, ``checkpointable``, ``unapplied``: whether training is over, whether the state
+  may be saved now, and which shards a checkpoint must hand out again.
+
+The modes:
 
 - ``async``: answer at once; apply each gradient on arrival; staleness = updates applied between
   the worker's pull and the arrival of its gradient.
@@ -21,198 +32,208 @@ other modes change what differs:
 
 from __future__ import annotations
 
-import collections
-from typing import TYPE_CHECKING, cast
+from dataclasses import dataclass
 
 import torch
 
-from ...core.modes import Mode
-from .state import Shard
-from .wire import Header, Kind
+from .actions import (
+    Action,
+    Ahead,
+    Apply,
+    Average,
+    CloseStep,
+    CollectParams,
+    Drop,
+    HandOut,
+    Idle,
+    OpenStep,
+    Record,
+    Refill,
+    Requeue,
+    ShardDone,
+    Skip,
+    Stale,
+)
+from .state import ServerState, Shard
+from .wire import Header
 
-if TYPE_CHECKING:
-    from .server import Server
-
-__all__ = ["Async", "Backup", "Local", "Ssp", "make_policy"]
+__all__ = ["AsyncPolicy", "BackupPolicy", "LocalPolicy", "Policy", "Result", "SspPolicy"]
 
 
-class Async:
-    """``async``, and the base of the other policies."""
+@dataclass(frozen=True)
+class Result:
+    """Tower ``tower``'s answer to ``shard``, pulled at version ``pulled``."""
+
+    tower: int
+    header: Header
+    message: torch.Tensor
+    shard: Shard
+    pulled: int
+
+
+def _available(s: ServerState) -> bool:
+    """Whether a shard is left to hand out (queued, or in a global batch not cut yet)."""
+    return bool(s.pending) or s.next_step < s.steps
+
+
+def _recorded(result: Result) -> Record:
+    h = result.header
+    return Record(result.shard.step, result.tower, h.loss, h.samples)
+
+
+class Policy:
+    """What every policy shares; each mode's policy overrides what differs."""
 
     server_optimizer = True  # the server owns an optimizer and applies gradients
 
-    def __init__(self, arg: int | None, towers: int):
-        self.arg = arg
+    def serve(self, s: ServerState, tower: int) -> list[Action]:
+        raise NotImplementedError
 
-    def serve(self, server: Server, tower: int) -> None:
-        shard = server.take()
-        if shard is not None:
-            server.state.record.ahead.append(server.state.lead(tower))
-            server.hand_out(tower, shard)
+    def on_result(self, s: ServerState, result: Result) -> list[Action]:
+        raise NotImplementedError
 
-    def on_result(self, server: Server, tower: int, h: Header, msg: torch.Tensor) -> None:
-        s = server.state
-        shard, pulled = server.answered(tower, h)
-        server.record(shard.step, tower, h)
-        if not h.bad and server.apply([msg], h.samples, shard.step):
-            server.stale(s.version - 1 - pulled)
-        else:
-            s.record.skipped.setdefault(shard.step, []).append(tower)
-        s.idle.add(tower)
-        server.finish_shard(shard.step)
+    def on_params(self, s: ServerState, tower: int, h: Header, msg: torch.Tensor) -> list[Action]:
+        raise AssertionError(f"tower {tower} sent parameters unasked")
 
-    def on_lost(self, server: Server, tower: int, shard: Shard | None) -> None:
-        if shard is not None:
-            server.state.pending.appendleft(shard)  # its shard in flight goes to the others
+    def on_lost(self, s: ServerState, tower: int, shard: Shard | None) -> list[Action]:
+        # its shard in flight goes to the others
+        return [] if shard is None else [Requeue(shard)]
 
-    def finished(self, server: Server) -> bool:
-        return server.state.done == server.state.steps
+    def settle(self, s: ServerState) -> list[Action]:
+        return []
 
-    def checkpointable(self, server: Server) -> bool:
+    def finished(self, s: ServerState) -> bool:
+        return s.done == s.steps
+
+    def checkpointable(self, s: ServerState) -> bool:
         return True
 
-    def unapplied(self, server: Server) -> list[Shard]:
-        s = server.state
+    def unapplied(self, s: ServerState) -> list[Shard]:
         return [*s.pending, *(shard for shard, _ in s.busy.values())]
 
 
-class Ssp(Async):
+class AsyncPolicy(Policy):
+    """``async``: every request answered at once, every gradient applied on arrival."""
+
+    def serve(self, s: ServerState, tower: int) -> list[Action]:
+        if not _available(s):
+            return []
+        return [Refill(), Ahead(s.lead(tower)), HandOut(tower)]
+
+    def on_result(self, s: ServerState, result: Result) -> list[Action]:
+        h, step, tower = result.header, result.shard.step, result.tower
+        if h.bad:
+            use: Action = Skip(step, (tower,))
+        else:
+            use = Apply((result.message,), h.samples, step, result.pulled, (tower,))
+        return [_recorded(result), use, Idle(tower), ShardDone(step)]
+
+
+class SspPolicy(AsyncPolicy):
     """``ssp:S``: no tower more than S results ahead of the slowest live one."""
 
-    def serve(self, server: Server, tower: int) -> None:
-        if server.state.lead(tower) > cast(int, self.arg):
-            return  # a pull now would put it more than S results ahead: hold the request
-        super().serve(server, tower)
+    def __init__(self, bound: int):
+        self.bound = bound
+
+    def serve(self, s: ServerState, tower: int) -> list[Action]:
+        if s.lead(tower) > self.bound:
+            return []  # a pull now would put it more than S results ahead: hold the request
+        return super().serve(s, tower)
 
 
-class Backup(Async):
+class BackupPolicy(Policy):
     """``backup:B``: each step applies the first ``workers - B`` shards to arrive."""
 
-    def __init__(self, arg: int | None, towers: int):
-        super().__init__(arg, towers)
-        self.towers = towers
+    def __init__(self, spares: int, towers: int):
+        self.spares, self.towers = spares, towers
         self.opened = -1  # the step whose shards are out
-        self.need = 0
-        self.arrived: list[tuple[int, Header, torch.Tensor]] = []
+        self.arrived: list[Result] = []
 
-    def _open(self, server: Server) -> None:
-        s = server.state
-        shards = server.shards(s.current)
-        s.pending = collections.deque(shards)
-        self.arrived = []
-        self.need = min(self.towers - cast(int, self.arg), len(shards))
-        self.opened = s.current
-
-    def serve(self, server: Server, tower: int) -> None:
-        s = server.state
+    def serve(self, s: ServerState, tower: int) -> list[Action]:
         if self.opened != s.current and s.current < s.steps:
-            self._open(server)
-        if s.pending:
-            server.hand_out(tower, s.pending.popleft())
+            self.opened, self.arrived = s.current, []
+            return [OpenStep(s.current), HandOut(tower)]  # a global batch has a shard or more
+        return [HandOut(tower)] if s.pending else []
 
-    def on_result(self, server: Server, tower: int, h: Header, msg: torch.Tensor) -> None:
-        s = server.state
-        shard, _ = server.answered(tower, h)
-        if shard.step == s.current:
-            self.arrived.append((tower, h, msg))
-            if len(self.arrived) >= self.need:
-                self._close(server)
-        else:  # the step was applied without it
-            s.record.dropped.append((shard.step, tower))
-        s.idle.add(tower)
+    def on_result(self, s: ServerState, result: Result) -> list[Action]:
+        tower = result.tower
+        if result.shard.step != s.current:  # the step was applied without it
+            return [Drop(result.shard.step, tower), Idle(tower)]
+        self.arrived.append(result)
+        # s.left[step]: the step's shards, counted when it was opened
+        if len(self.arrived) < min(self.towers - self.spares, s.left[s.current]):
+            return [Idle(tower)]
+        return [*self._close(s.current), Idle(tower)]
 
-    def _close(self, server: Server) -> None:
-        s = server.state
-        step = s.current
-        for t, h, _ in self.arrived:
-            server.record(step, t, h)
-        bad = sorted({t for t, h, _ in self.arrived if h.bad})
-        total = sum(h.samples for _, h, _ in self.arrived)
-        pulled = min(h.version for _, h, _ in self.arrived)
-        if not bad and server.apply([m for _, _, m in self.arrived], total, step):
-            server.stale(s.version - 1 - pulled)
+    def _close(self, step: int) -> list[Action]:
+        arrived, self.arrived = self.arrived, []
+        actions: list[Action] = [_recorded(r) for r in arrived]
+        bad = tuple(sorted({r.tower for r in arrived if r.header.bad}))
+        if bad:
+            actions.append(Skip(step, bad))
         else:
-            s.record.skipped[step] = bad or sorted({t for t, _, _ in self.arrived})
-        server.step_done(step)
-        s.current += 1
-        s.pending.clear()
+            total = sum(r.header.samples for r in arrived)
+            pulled = min(r.header.version for r in arrived)
+            culprits = tuple(sorted({r.tower for r in arrived}))
+            actions.append(Apply(tuple(r.message for r in arrived), total, step, pulled, culprits))
+        return [*actions, CloseStep(step)]
 
-    def on_lost(self, server: Server, tower: int, shard: Shard | None) -> None:
-        if shard is not None and shard.step == server.state.current:
-            server.state.pending.appendleft(shard)
+    def on_lost(self, s: ServerState, tower: int, shard: Shard | None) -> list[Action]:
+        if shard is not None and shard.step == s.current:
+            return [Requeue(shard)]
+        return []
 
-    def unapplied(self, server: Server) -> list[Shard]:
+    def unapplied(self, s: ServerState) -> list[Shard]:
         return []  # the step in progress is opened anew after a resume
 
 
-class Local(Async):
+class LocalPolicy(Policy):
     """``local:K``: towers step alone; their parameters are averaged every K steps."""
 
     server_optimizer = False
 
-    def __init__(self, arg: int | None, towers: int):
-        super().__init__(arg, towers)
+    def __init__(self, towers: int):
         self.fresh = set(range(towers))  # towers to send the server's parameters to
         self.submitted: dict[int, tuple[torch.Tensor, int]] = {}  # tower -> (params, weight)
         self.averaged = False  # parameters were just averaged: a consistent state to save
 
-    def serve(self, server: Server, tower: int) -> None:
-        shard = server.take()
-        if shard is not None:
-            server.hand_out(tower, shard, params=tower in self.fresh)
-            self.fresh.discard(tower)
-        else:  # no shard left this round: its parameters go into the average
-            server.state.idle.discard(tower)
-            server.send(tower, Kind.AVERAGE)
+    def serve(self, s: ServerState, tower: int) -> list[Action]:
+        if not _available(s):  # no shard left this round: its parameters go into the average
+            return [CollectParams(tower)]
+        params = tower in self.fresh
+        self.fresh.discard(tower)
+        return [Refill(), HandOut(tower, params=params)]
 
-    def on_result(self, server: Server, tower: int, h: Header, msg: torch.Tensor) -> None:
-        s = server.state
-        if h.kind == Kind.PARAMS:
-            self.submitted[tower] = (msg, h.weight)
-            self._maybe_average(server)
-            return
-        shard, _ = server.answered(tower, h)
-        server.record(shard.step, tower, h)
-        if h.bad:
-            s.record.skipped.setdefault(shard.step, []).append(tower)
-        else:
-            server.stale(h.aux)
-        if h.payload:
-            self.submitted[tower] = (msg, h.weight)
-        else:
-            s.idle.add(tower)
-        server.finish_shard(shard.step)
-        self._maybe_average(server)
+    def on_params(self, s: ServerState, tower: int, h: Header, msg: torch.Tensor) -> list[Action]:
+        self.submitted[tower] = (msg, h.weight)
+        return []
 
-    def on_lost(self, server: Server, tower: int, shard: Shard | None) -> None:
+    def on_result(self, s: ServerState, result: Result) -> list[Action]:
+        h, step, tower = result.header, result.shard.step, result.tower
+        actions: list[Action] = [_recorded(result), Skip(step, (tower,)) if h.bad else Stale(h.aux)]
+        if h.payload:  # its K-th step: its parameters go into the average
+            self.submitted[tower] = (result.message, h.weight)
+        else:
+            actions.append(Idle(tower))
+        return [*actions, ShardDone(step)]
+
+    def on_lost(self, s: ServerState, tower: int, shard: Shard | None) -> list[Action]:
         self.submitted.pop(tower, None)  # its steps since the last average are lost
-        super().on_lost(server, tower, shard)
-        self._maybe_average(server)
+        return super().on_lost(s, tower, shard)
 
-    def _maybe_average(self, server: Server) -> None:
-        s = server.state
+    def settle(self, s: ServerState) -> list[Action]:
         if s.final or not self.submitted or not set(self.submitted) >= s.live:
-            return
-        server.average(list(self.submitted.values()))
-        s.version += 1
+            return []
+        submitted, self.submitted = self.submitted, {}
         self.averaged = True
-        for tower in self.submitted:
-            s.idle.add(tower)
-            self.fresh.add(tower)
-        self.submitted.clear()
-        if s.done == s.steps:
-            s.final = True
+        self.fresh |= set(submitted)
+        average = Average(tuple(submitted.values()), final=s.done == s.steps)
+        return [average, *(Idle(t) for t in submitted)]
 
-    def finished(self, server: Server) -> bool:
-        return server.state.final
+    def finished(self, s: ServerState) -> bool:
+        return s.final
 
-    def checkpointable(self, server: Server) -> bool:
+    def checkpointable(self, s: ServerState) -> bool:
         # only right after an average: then no tower holds more than the saved parameters
         averaged, self.averaged = self.averaged, False
         return averaged
-
-
-def make_policy(mode: Mode, towers: int) -> Async:
-    """The policy object of ``mode`` (any mode but sync)."""
-    kinds: dict[str, type[Async]] = {"async": Async, "ssp": Ssp, "backup": Backup, "local": Local}
-    return kinds[mode.name](mode.arg, towers)

@@ -5,9 +5,10 @@ Work is handed out on request, one shard (global batch k, shard i) at a time, so
 takes more shards than a slow one and a dead worker's shard in flight goes back to the queue.
 Global batches and their split are those of the sync engine (``global_batches`` and ``split``
 over ``workers``), so every mode sees the same data. The event loop here is the same for every
-mode; what differs (when a request is answered, what an arriving result does) is the mode's
-policy (:mod:`towers.engines.ps.policies`). The state lives in
-:class:`~towers.engines.ps.state.ServerState`.
+mode; what differs (when a request is answered, what an arriving result does) is decided by the
+mode's policy (:mod:`towers.engines.ps.policies`), which returns actions
+(:mod:`towers.engines.ps.actions`) that the server carries out: only the server changes its
+state (:class:`~towers.engines.ps.state.ServerState`), sends messages and steps the optimizer.
 
 A tower that does not answer its work within half the timeout (stopped, stuck) is treated as a
 dead one: its shard goes to the others and training goes on.
@@ -22,6 +23,7 @@ batches and at the end, and a server built from such a checkpoint goes on from i
 
 from __future__ import annotations
 
+import collections
 import math
 import queue
 import time
@@ -33,7 +35,7 @@ import torch
 from ...comm.group import DEFAULT_TIMEOUT
 from ...core.data import batch_len, num_samples
 from ...core.split import shard_sizes
-from ...core.step import all_finite
+from ...core.step import assign_mean, sum_grads
 from .. import checkpoint
 from ..evaluate import combine, due, evaluate
 from ..fetch import Fetcher
@@ -41,7 +43,25 @@ from ..job import EngineResult, Job
 from ..replica import Replica, cpu_state
 from ..report import Reporter
 from . import resume
-from .policies import make_policy
+from .actions import (
+    Action,
+    Ahead,
+    Apply,
+    Average,
+    CloseStep,
+    CollectParams,
+    Drop,
+    HandOut,
+    Idle,
+    OpenStep,
+    Record,
+    Refill,
+    Requeue,
+    ShardDone,
+    Skip,
+    Stale,
+)
+from .policies import Policy, Result
 from .state import ServerState, Shard
 from .wire import Header, Kind, Layout, ServerLink, read_header
 
@@ -49,7 +69,8 @@ __all__ = ["Server"]
 
 
 class Server:
-    """Serves ``towers`` workers (ranks 1..towers) over ``link``; see the module docstring."""
+    """Serves ``towers`` workers (ranks 1..towers) over ``link`` as ``policy`` decides; see the
+    module docstring."""
 
     def __init__(
         self,
@@ -58,10 +79,11 @@ class Server:
         layout: Layout,
         towers: int,
         device: torch.device,
+        policy: Policy,
         state: dict[str, Any] | None = None,
     ):
         self.job, self.link, self.layout, self.device = job, link, layout, device
-        self.policy = make_policy(job.mode, towers)
+        self.policy = policy
         self.replica = Replica.build(job, device, optimizer=self.policy.server_optimizer)
         self.model = self.replica.model
         self.n = num_samples(job.data)
@@ -77,6 +99,9 @@ class Server:
         self.start = 0.0
         self.seconds = math.nan
         self.evaluated_final = False
+        # the version the last evaluation saw (resumed: the saved one, whose evaluations the
+        # checkpoint holds)
+        self.evaluated_version = self.state.version
         self.fetch = Fetcher(job)
         # A tower that holds work this long without a word is hung, and treated as dead. Half
         # the timeout: the towers waiting for that work must get it before their own receives
@@ -110,16 +135,24 @@ class Server:
             if msg is None:
                 self.lost(tower)
             else:
-                h = read_header(self.layout, msg)
-                if h.kind == Kind.REQUEST:
-                    s.idle.add(tower)
-                elif h.kind == Kind.BYE:
-                    s.byes.add(tower)
-                else:
-                    self.policy.on_result(self, tower, h, msg)
+                self._message(tower, msg)
             self._serve()
             self._maybe_evaluate()
             self._maybe_save()
+
+    def _message(self, tower: int, msg: torch.Tensor) -> None:
+        s, h = self.state, read_header(self.layout, msg)
+        if h.kind == Kind.REQUEST:
+            s.idle.add(tower)
+        elif h.kind == Kind.BYE:
+            s.byes.add(tower)
+        elif h.kind == Kind.RESULT:
+            shard, pulled = self._answered(tower, h)
+            self._do(self.policy.on_result(s, Result(tower, h, msg, shard, pulled)))
+        else:
+            assert h.kind == Kind.PARAMS, f"tower {tower} sent a {h.kind.name} message"
+            self._do(self.policy.on_params(s, tower, h, msg))
+        self._do(self.policy.settle(s))
 
     def _next(self) -> tuple[int, torch.Tensor | None] | None:
         """The next message, or ``None`` after letting go of a tower that hung."""
@@ -148,37 +181,39 @@ class Server:
 
     def _serve(self) -> None:
         s = self.state
-        if self.policy.finished(self):
+        if self.policy.finished(s):
             if math.isnan(self.seconds):
                 self.seconds = s.record.prior_seconds + self.elapsed()
             for t in sorted(s.idle):
-                self.send(t, Kind.STOP, payload=True)
+                self._send(t, Kind.STOP, payload=True)
             s.idle.clear()
             return
         for t in sorted(s.idle):
-            self.policy.serve(self, t)
+            self._do(self.policy.serve(s, t))
 
     def _maybe_evaluate(self) -> None:
         """Evaluate the server's parameters every ``eval_every`` global batches and at the end.
 
-        The server evaluates alone, between messages: the towers wait meanwhile. ``local:K``:
-        its parameters are those of the last average; the evaluation at the end is of the
-        final average's.
+        The server evaluates alone, between messages: the towers wait meanwhile. The evaluation
+        at the end is of the final parameters: one made once every global batch was complete
+        but before the parameters last changed (``local:K``: before the final average) is made
+        again.
         """
         job, s = self.job, self.state
         if job.eval_data is None or self.evaluated_final:
             return
         evals = s.record.evals
         last = evals[-1][0] if evals else 0
-        if self.policy.finished(self):
+        if self.policy.finished(s):
             self.evaluated_final = True
             if last == s.steps:
-                if job.mode.name != "local":
+                if self.evaluated_version == s.version:
                     return
-                evals.pop()  # evaluated before the final average: evaluate its result instead
+                evals.pop()
         elif not (job.eval_every and s.done // job.eval_every > last // job.eval_every):
             return
         metrics = combine([evaluate(job, self.model, self.device, 0, 1, self.fetch)])
+        self.evaluated_version = s.version
         evals.append((s.done, metrics))
         self.reporter.evaluated(s.done, metrics)
 
@@ -187,29 +222,68 @@ class Server:
         s, every = self.state, self.job.checkpoint_every
         if self.job.checkpoint is None or s.done == s.saved:
             return
-        if not self.policy.checkpointable(self):
+        if not self.policy.checkpointable(s):
             return
-        if s.done // every > s.saved // every or self.policy.finished(self):
+        if s.done // every > s.saved // every or self.policy.finished(s):
             seconds = s.record.prior_seconds + self.elapsed()
-            todo = self.policy.unapplied(self)
+            todo = self.policy.unapplied(s)
             payload = resume.snapshot(self.job, s, self.replica, todo, seconds)
             checkpoint.save_or_warn(self.job.checkpoint, s.done, "ps", payload)
             s.saved = s.done
 
-    # -- what the policies use -------------------------------------------------------------
+    # -- carrying out the policy's actions -------------------------------------------------
 
-    def _refill(self) -> None:
-        s = self.state
-        while len(s.pending) < s.towers and s.next_step < s.steps:
-            s.pending.extend(self.shards(s.next_step))
-            s.next_step += 1
+    def _do(self, actions: list[Action]) -> None:
+        """Carry out ``actions`` in order (:mod:`towers.engines.ps.actions`)."""
+        s, rec = self.state, self.state.record
+        for a in actions:
+            match a:
+                case Refill():
+                    while len(s.pending) < s.towers and s.next_step < s.steps:
+                        s.pending.extend(self._shards(s.next_step))
+                        s.next_step += 1
+                case OpenStep():
+                    s.pending = collections.deque(self._shards(a.step))
+                case HandOut():
+                    self._hand_out(a.tower, s.pending.popleft(), a.params)
+                case CollectParams():
+                    s.idle.discard(a.tower)
+                    self._send(a.tower, Kind.AVERAGE)
+                case Ahead():
+                    rec.ahead.append(a.lead)
+                case Idle():
+                    s.idle.add(a.tower)
+                case Record():
+                    rec.loss_sums[a.step][a.tower] += a.loss
+                    rec.counts[a.step][a.tower] += a.samples
+                    rec.samples += a.samples
+                case Apply():
+                    if self._apply(a.messages, a.samples, a.step):
+                        self._stale(s.version - 1 - a.pulled)
+                    else:
+                        rec.skipped.setdefault(a.step, []).extend(a.culprits)
+                case Skip():
+                    rec.skipped.setdefault(a.step, []).extend(a.towers)
+                case Stale():
+                    self._stale(a.value)
+                case Drop():
+                    rec.dropped.append((a.step, a.tower))
+                case ShardDone():
+                    s.left[a.step] -= 1
+                    if s.left[a.step] == 0:
+                        self._step_done(a.step)
+                case CloseStep():
+                    self._step_done(a.step)
+                    s.current = a.step + 1
+                    s.pending.clear()
+                case Requeue():
+                    s.pending.appendleft(a.shard)
+                case Average():
+                    self._average(a.submitted)
+                    s.version += 1
+                    s.final = s.final or a.final
 
-    def take(self) -> Shard | None:
-        """The next shard to hand out, or ``None`` if every shard is out."""
-        self._refill()
-        return self.state.pending.popleft() if self.state.pending else None
-
-    def shards(self, step: int) -> list[Shard]:
+    def _shards(self, step: int) -> list[Shard]:
         """Global batch ``step`` cut for the towers (the empty shards left out)."""
         s = self.state
         sizes = shard_sizes(batch_len(step, self.n, self.job.batch_size), s.towers)
@@ -217,13 +291,13 @@ class Server:
         s.left[step] = len(shards)
         return shards
 
-    def hand_out(self, t: int, shard: Shard, params: bool = True) -> None:
+    def _hand_out(self, t: int, shard: Shard, params: bool) -> None:
         s = self.state
         s.idle.discard(t)
-        self.send(t, Kind.WORK, params, step=shard.step, shard=shard.index, samples=shard.samples)
+        self._send(t, Kind.WORK, params, step=shard.step, shard=shard.index, samples=shard.samples)
         s.busy[t] = (shard, s.version)
 
-    def send(self, t: int, kind: Kind, payload: bool = False, **fields: float) -> None:
+    def _send(self, t: int, kind: Kind, payload: bool = False, **fields: float) -> None:
         msg = self.layout.new()
         if payload:
             self.layout.write_values(msg, self.model)
@@ -232,31 +306,19 @@ class Server:
         if kind in (Kind.WORK, Kind.AVERAGE):
             self.expecting[t] = time.monotonic()
 
-    def answered(self, t: int, h: Header) -> tuple[Shard, int]:
+    def _answered(self, t: int, h: Header) -> tuple[Shard, int]:
         """Tower ``t``'s shard in flight, now answered by ``h``, and the version it pulled."""
         shard, pulled = self.state.busy.pop(t)
         assert (shard.step, shard.index) == (h.step, h.shard), "a worker answered another shard"
         self.state.clock[t] += 1
         return shard, pulled
 
-    def record(self, step: int, t: int, h: Header) -> None:
-        rec = self.state.record
-        rec.loss_sums[step][t] += h.loss
-        rec.counts[step][t] += h.samples
-        rec.samples += h.samples
-
-    def stale(self, value: int) -> None:
+    def _stale(self, value: int) -> None:
         rec = self.state.record
         rec.staleness.append(value)
         self.reporter.staleness(len(rec.staleness) - 1, value)
 
-    def finish_shard(self, step: int) -> None:
-        s = self.state
-        s.left[step] -= 1
-        if s.left[step] == 0:
-            self.step_done(step)
-
-    def step_done(self, step: int) -> None:
+    def _step_done(self, step: int) -> None:
         s, rec = self.state, self.state.record
         elapsed = self.elapsed()
         rec.times[step] = rec.prior_seconds + elapsed
@@ -274,33 +336,22 @@ class Server:
         s.record.dead.append(t)
         s.idle.discard(t)
         shard = s.busy.pop(t)[0] if t in s.busy else None
-        self.policy.on_lost(self, t, shard)
-        if not s.live and not self.policy.finished(self):
+        self._do(self.policy.on_lost(s, t, shard))
+        self._do(self.policy.settle(s))
+        if not s.live and not self.policy.finished(s):
             raise RuntimeError(
                 f"every worker died (towers {sorted(s.record.dead)}); training cannot go on "
                 f"after {s.done} of {s.steps} steps"
             )
 
-    def apply(self, msgs: list[torch.Tensor], total: int, step: int) -> bool:
+    def _apply(self, msgs: tuple[torch.Tensor, ...], total: int, step: int) -> bool:
         """Apply the summed gradients of ``msgs`` divided by ``total``; False if not finite."""
         params = list(self.model.parameters())
-        per_msg = [self.layout.grads(m, self.model) for m in msgs]
-        grads: list[torch.Tensor | None] = []
-        for i in range(len(params)):
-            present = [g for grads_of_msg in per_msg if (g := grads_of_msg[i]) is not None]
-            if not present:
-                grads.append(None)
-                continue
-            g = present[0] if len(present) == 1 else torch.stack(present).sum(0)
-            if not all_finite(g):
-                return False
-            grads.append(g)
+        summed = sum_grads([self.layout.grads(m, self.model) for m in msgs])
+        if not assign_mean(params, summed, total):
+            return False
         opt = cast(torch.optim.Optimizer, self.replica.optimizer)
         self.replica.schedule_to(self.job.scheduled(step))
-        for p, g in zip(params, grads):
-            # The worker backpropagated loss * samples, as the sync engine does; dividing here
-            # gives a one-tower step the same rounding as a synchronous one.
-            p.grad = None if g is None else g.to(p.device).div(total)
         opt.step()
         for p in params:
             p.grad = None
@@ -308,8 +359,8 @@ class Server:
         self.state.version += 1
         return True
 
-    def average(self, submitted: list[tuple[torch.Tensor, int]]) -> None:
-        """``local:K``: the model becomes the sample-weighted average of the towers' parameters."""
+    def _average(self, submitted: tuple[tuple[torch.Tensor, int], ...]) -> None:
+        """The model becomes the sample-weighted average of the towers' parameters."""
         total = sum(w for _, w in submitted)
         if total <= 0:
             return

@@ -1,7 +1,8 @@
 """The parameter server's state: where the job is, who is doing what, and the record so far.
 
-Plain data, typed, in one place: the server's event loop and the mode policies change it, the
-resume module saves and restores it (:mod:`towers.engines.ps.resume`).
+Plain data, typed, in one place: the server changes it (its event loop, and the actions the
+mode's policy returns), the policies only read it, and the resume module saves and restores it
+(:mod:`towers.engines.ps.resume`).
 """
 
 from __future__ import annotations
