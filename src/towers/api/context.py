@@ -12,14 +12,10 @@ and, for shards taken with :meth:`Context.shards`, that their global batches hav
 and fingerprint (:mod:`towers.core.agree`). A rank that cuts its shards itself can only be
 checked for its step counter: it never sees the global batch.
 
-Under ``towers run --elastic`` (docs/elastic.md), when a peer is lost during ``ctx.step`` the
-step regroups the survivors and returns a result with ``redo=True`` (and no update);
-``ctx.shards`` then yields this tower's part of the *same* global batch, split over the
-survivors. The loop must only skip what it does after a step when ``r.redo`` is true (a
-schedule's ``step()``, logging). A replacement receives the parameters, buffers, optimizer
-state and the position in ``ctx.shards`` from a live peer; a learning-rate schedule the loop
-builds itself is not sent, so build it from ``ctx.steps`` (e.g. ``LambdaLR(opt, lambda _:
-f(ctx.steps))``) if replacements may join.
+Under ``towers run --elastic``, a step that lost a peer returns ``redo=True`` (no update) and
+``ctx.shards`` yields the *same* global batch again, split over the survivors; a replacement
+receives the parameters, buffers, optimizer state and position from a live peer, but not a
+schedule the loop builds itself (build it from ``ctx.steps``). See docs/elastic.md.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -35,9 +31,11 @@ from torch import nn
 
 from ..comm.base import Comm
 from ..core.agree import BatchStamp, fingerprint, mean_vector, weighted_means
+from ..core.data import take
 from ..core.split import batch_size, map_batch, split
 from ..core.step import StepResult
 from ..engines import checkpoint
+from ..engines.evaluate import combine, evaluate_part
 from ..engines.replica import check_loss, cpu_state
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.gradsync import DEFAULT_BUCKET_BYTES
@@ -337,6 +335,47 @@ class Context:
         self.comm.all_reduce_sum(vector).wait()
         return weighted_means(values, vector, self.world_size)
 
+    def evaluate(
+        self,
+        model: nn.Module,
+        data: Any,
+        fn: Callable[[nn.Module, Any], Mapping[str, Any]],
+        *,
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> dict[str, float]:
+        """Evaluate ``fn`` over all of ``data``, split over the ranks; call on every rank.
+
+        ``data`` (tensors, a tuple/dict of tensors, or a map-style Dataset, the same on every
+        rank) is cut into chunks of ``batch_size`` samples, each split over the ranks as
+        :meth:`shards` splits a batch, and evaluated in eval mode under ``no_grad``; every rank
+        gets the sample-weighted metrics one process would compute (as ``train(eval_data=)``).
+
+        Args:
+            model: the model to evaluate (e.g. the one :meth:`replicate` returned).
+            data: the evaluation samples.
+            fn: ``fn(model, batch) -> {name: mean over the batch}`` (tensors or numbers).
+            batch_size: samples per chunk, all ranks together.
+            collate_fn: for a Dataset, as DataLoader's (default ``default_collate``).
+
+        Example:
+            >>> ctx.evaluate(model, (x_val, y_val), lambda m, b: {"loss": loss_fn(m, b)},
+            ...              batch_size=256)  # doctest: +SKIP
+            {'loss': 0.31}
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if not callable(fn):
+            raise TypeError(f"fn must be callable (model, batch) -> dict, got {type(fn).__name__}")
+
+        def batches(data: Any, parts: list[torch.Tensor]) -> Iterator[Any]:
+            return (take(data, indices, collate_fn) for indices in parts)
+
+        part = evaluate_part(
+            model, data, fn, batch_size, self.device, self.rank, self.world_size, batches, "fn"
+        )
+        return combine(self.comm.all_gather_object(part))
+
     def save_checkpoint(
         self,
         directory: str | os.PathLike[str],
@@ -353,16 +392,14 @@ class Context:
         and ``extra`` (tensors and plain values only); the two newest checkpoints are kept. A
         write that fails (a full disk) warns and training goes on: the state is still in memory.
         """
-        rng = self.comm.all_gather_object(torch.get_rng_state())
-        transform = self._driver.gather() if self._driver.sync is not None else None
+        streams = self._driver.gather_streams()
         if not self.is_main:
             return
         payload = {
             "model": cpu_state(model),
             "optimizer": optimizer.state_dict(),
             "schedule": schedule.state_dict() if schedule is not None else None,
-            "rng": rng,
-            "transform": transform,
+            **streams,
             "extra": extra or {},
         }
         checkpoint.save_or_warn(directory, step, "loop", payload)
@@ -390,10 +427,7 @@ class Context:
         optimizer.load_state_dict(state["optimizer"])
         if schedule is not None and state["schedule"] is not None:
             schedule.load_state_dict(state["schedule"])
-        if len(state["rng"]) == self.world_size:
-            torch.set_rng_state(state["rng"][self.rank])
-        if state.get("transform") is not None and self._driver.sync is not None:
-            self._driver.load_state(state["transform"])
+        self._driver.restore_streams(state)
         return state["step"], state["extra"]
 
     def barrier(self) -> None:

@@ -128,16 +128,10 @@ class _Run:
 
     def _restore_streams(self) -> None:
         """This rank's random stream and transform state from the checkpoint resumed."""
-        state, comm = self.resume, self.group.comm
-        if not state or "rng" not in state:
-            return
-        rng = state["rng"]
-        if len(rng) == comm.world_size:
-            torch.set_rng_state(rng[comm.rank])
-        else:  # resumed with another number of workers: fresh, but reproducible, streams
-            torch.manual_seed(self.job.seed + comm.rank + 1000 * state["step"])
-        if state.get("transform") is not None:
-            self.driver.load_state(state["transform"])
+        if self.resume:
+            # resumed with another number of workers: fresh, but reproducible, streams
+            reseed = self.job.seed + self.group.comm.rank + 1000 * self.resume["step"]
+            self.driver.restore_streams(self.resume, reseed)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -197,16 +191,13 @@ class _Run:
         )
 
     def _save(self, done: int) -> None:
-        comm = self.group.comm
-        rng = comm.all_gather_object(torch.get_rng_state())
-        transform = self.driver.gather()
-        if comm.rank != 0:
+        streams = self.driver.gather_streams()
+        if self.group.comm.rank != 0:
             return
         payload = {
             "mode": str(self.job.mode),
             "data": self.order.state_dict(),
-            "rng": rng,
-            "transform": transform,
+            **streams,
             "record": asdict(self.record),
             **self.replica.state(),
         }
