@@ -38,9 +38,10 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.03, help="seconds per step")
     parser.add_argument("--progress", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--timeout", type=float, default=None, help="towers.init(timeout=)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ctx = towers.init()
+    ctx = towers.init(timeout=args.timeout)
     model = ctx.replicate(build())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses, world, times = [], [], []
