@@ -31,6 +31,8 @@ from .pack import Packed, pack, unpack
 
 __all__ = ["WorkerError", "spawn"]
 
+_LONGEST_POLL = 86400.0  # seconds
+
 
 class WorkerError(RuntimeError):
     """A worker process failed: it raised, was killed by a signal, or exited non-zero.
@@ -192,7 +194,8 @@ def _collect(
     while pending:
         now = time.monotonic()
         limits = [t for t in (deadline, stop_at) if t is not None]
-        wait = None if not limits else max(0.0, min(limits) - now)
+        # poll(2) takes at most 2**31 ms (24 days): a longer timeout is waited in turns
+        wait = None if not limits else min(max(0.0, min(limits) - now), _LONGEST_POLL)
         ready = multiprocessing.connection.wait(
             list(pending.values()) + [procs[r].sentinel for r in pending], timeout=wait
         )
