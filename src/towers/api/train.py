@@ -47,7 +47,7 @@ from ..processes.lifeline import Terminated, sigterm_interrupts, stopped_line
 from ..processes.spawn import spawn
 from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
 from .options import check_options, preflight_eval, refuse_loader
-from .result import TrainResult
+from .result import TrainResult, warn_if_untrained
 from .validate import check_arguments, check_elastic, check_straggle, check_workers, preflight
 
 __all__ = ["TrainResult", "train"]
@@ -265,7 +265,7 @@ def train(
         checkpoint_files.prepare_directory(job.checkpoint, estimate_bytes(model, n))
     preflight_eval(job, workers)
     out, restarts = _run(job, workers, launched, max_restarts)
-    return _result(model, job, workers, restarts, out)
+    return warn_if_untrained(_result(model, job, workers, restarts, out))
 
 
 def _total_steps(steps: int | None, epochs: int | None, samples: int, batch_size: int) -> int:
