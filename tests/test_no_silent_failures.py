@@ -1,16 +1,23 @@
 """Runs that used to go wrong without a word: each now ends in an error or a warning with the fix.
 
 A run in which every step was skipped, a loss cut from the model, a timeout too large for the
-clocks underneath, a model on the meta device, more workers than cores.
+clocks underneath, a model on the meta device, a worker killed by the OOM killer, more workers
+than cores.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from cgroups import memory_cgroup
 from helpers import make_net, mse, regression_data
 
 import towers
@@ -19,6 +26,7 @@ from towers.processes.env import cpu_count
 from towers.tools.cli import main
 
 DATA = regression_data(24)
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
@@ -145,3 +153,34 @@ def test_more_workers_than_cores_warn_what_it_costs():
     with pytest.warns(UserWarning, match=cost + rf".*workers={cpu_count()} gives the same result"):
         result = train(workers=workers, steps=2)
     assert result.workers == workers
+
+
+def kill_myself():
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_by_the_oom_killer_is_named_so():
+    """A real OOM kill: train() runs in a memory cgroup of 1.5 GiB, and worker 1 allocates 4."""
+    with memory_cgroup(3 << 29) as cgroup:
+        done = subprocess.run(
+            ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", sys.executable,
+             str(SCRIPTS / "oom_caller.py")],
+            capture_output=True, text=True, timeout=150, env={**os.environ, "PYTHONPATH": SRC},
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["rank"] == 1 and out["exitcode"] == -9, out
+    assert out["error"].startswith("worker 1 (pid "), out
+    assert (
+        "died with signal SIGKILL before returning a result: killed by the out-of-memory killer "
+        f"(the OOM-kill count of the memory cgroup {cgroup} rose from 0 to 1 while it ran). It "
+        "needed more memory than the machine or its cgroup allows: lower batch_size"
+    ) in out["error"]
+    # SIGKILL without an OOM kill is not taken for one
+    with pytest.raises(towers.WorkerError) as plain:
+        towers.spawn(kill_myself, 2)
+    assert "died with signal SIGKILL before returning a result" in str(plain.value)
+    assert "out-of-memory" not in str(plain.value)

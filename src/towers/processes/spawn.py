@@ -27,6 +27,7 @@ from ..core.args import check_timeout
 from .env import describe_exit, set_worker_threads, worker_env
 from .guard import check_main_guard
 from .lifeline import watch_caller
+from .oom import OomWatch
 from .pack import Packed, pack, unpack
 
 __all__ = ["WorkerError", "spawn"]
@@ -160,6 +161,7 @@ def spawn(
     port = free_port(addr) if port is None else port
     ctx = _context()
     packed = pack((fn, args))  # one shared buffer for every tensor, see processes/pack.py
+    oom = OomWatch()
     procs, conns = [], []
     try:
         for rank in range(workers):
@@ -172,7 +174,7 @@ def spawn(
             send.close()
             procs.append(p)
             conns.append(recv)
-        return _collect(procs, conns, timeout, failure_grace, frozenset(tolerate))
+        return _collect(procs, conns, timeout, failure_grace, frozenset(tolerate), oom)
     finally:
         _stop(procs)
         for c in conns:
@@ -185,6 +187,7 @@ def _collect(
     timeout: float | None,
     failure_grace: float,
     tolerate: frozenset[int] = frozenset(),
+    oom: OomWatch | None = None,
 ) -> list[Any]:
     results: dict[int, Any] = {}
     failures: list[tuple[str, BaseException]] = []
@@ -217,7 +220,7 @@ def _collect(
             if status == "died" and rank in tolerate:
                 results[rank] = None
                 continue
-            failures.append((status, _failure(rank, proc, status, rest)))
+            failures.append((status, _failure(rank, proc, status, rest, oom)))
             if stop_at is None:
                 # A rank that names a stuck peer has said all there is to say: the stuck one
                 # will not report, and waiting for it would only delay the error.
@@ -242,7 +245,9 @@ def _collect(
     return [results.get(r) for r in range(len(procs))]
 
 
-def _failure(rank: int, proc: Any, status: str, rest: list[Any]) -> BaseException:
+def _failure(
+    rank: int, proc: Any, status: str, rest: list[Any], oom: OomWatch | None = None
+) -> BaseException:
     if status == "error":
         exc, tb = rest
         if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not isinstance(exc, BaseException):
@@ -251,9 +256,10 @@ def _failure(rank: int, proc: Any, status: str, rest: list[Any]) -> BaseExceptio
             exc.add_note(f"raised in towers worker {rank}:\n{tb}")
         return exc
     proc.join(1.0)
+    why = oom.explain(proc.exitcode) if oom is not None else ""
     return WorkerError(
         f"worker {rank} (pid {proc.pid}) died with {describe_exit(proc.exitcode)} "
-        "before returning a result",
+        f"before returning a result{why}",
         rank,
         proc.exitcode,
     )
