@@ -40,9 +40,10 @@ def main() -> None:
     parser.add_argument("--progress", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--batchnorm", action="store_true", help="with sync_batchnorm=True")
+    parser.add_argument("--timeout", type=float, default=None, help="towers.init(timeout=)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ctx = towers.init()
+    ctx = towers.init(timeout=args.timeout)
     model = ctx.replicate(build(args.batchnorm), sync_batchnorm=args.batchnorm)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses, world, times = [], [], []

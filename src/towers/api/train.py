@@ -39,7 +39,7 @@ from ..processes.elastic import HANG_SECONDS, supervise
 from ..processes.lifeline import Terminated, sigterm_interrupts, stopped_line
 from ..processes.spawn import spawn
 from .make import Launch, make_job
-from .result import TrainResult
+from .result import TrainResult, warn_if_untrained
 
 __all__ = ["TrainResult", "train"]
 
@@ -196,7 +196,7 @@ def train(
     """
     job, launch = make_job(dict(locals()))  # every argument checked here, before any worker
     out, restarts = _run(job, launch)
-    return _result(model, job, launch.workers, restarts, out)
+    return warn_if_untrained(_result(model, job, launch.workers, restarts, out))
 
 
 def _run(job: Job, launch: Launch) -> tuple[EngineResult, int]:

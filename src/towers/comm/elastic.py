@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..core.args import check_timeout
 from .base import Comm, DistComm, LocalComm, PeerFailure
 from .group import DEFAULT_TIMEOUT, shm_or_group
 from .membership import Membership, key
@@ -34,6 +35,7 @@ class ElasticConnection:
 
     def __init__(self, transport: str, timeout: float | None, joining: bool = False):
         self.transport = transport
+        timeout = check_timeout(timeout)
         self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         self.id = int(os.environ["RANK"])
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])

@@ -16,17 +16,26 @@ member's rank is its index in that list. Its keys:
 - ``g<g>/regroup``: a replacement is ready and waits in ``g + 1``; the members agree, in the
   metadata of a step, to move there after that step.
 - ``join/<id>``: the generation a replacement enters; ``ready/<id>``: a replacement is built;
-  ``left/<id>``: a worker is done and stopped its heartbeat.
+  ``left/<id>``: a worker is done and stopped its heartbeat; ``lost/<id>``: when and why a
+  worker was declared lost (a worker that finds itself dropped says so, and exits).
+
+The store is on another host in a job across hosts, and a network partition answers nothing
+at all: no error, a call that never returns. The heartbeat's calls are timed
+(:class:`WatchedStore`): one that has not returned within the timeout ends the worker with a
+line saying that it lost contact with the job, and since when.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -34,14 +43,19 @@ import torch.distributed as dist
 
 from .base import PeerTimeout
 
-__all__ = ["HEARTBEAT", "Dropped", "Membership", "key", "open_store"]
+__all__ = ["HEARTBEAT", "Dropped", "Membership", "WatchedStore", "clock", "key", "open_store"]
 
 HEARTBEAT = 0.2  # seconds between a worker's heartbeats
 _POLL = 0.01  # seconds between checks while members arrive
 
 
-class Dropped(RuntimeError):
-    """This worker is no longer a member (the supervisor declared it lost)."""
+class Dropped(SystemExit):
+    """This worker is no longer a member: the job declared it lost and trains on without it.
+
+    A ``SystemExit`` (exit code 1), so that a training loop's ``except Exception`` does not keep
+    a dropped worker training as a ghost, and the script ends with the one line that says why
+    instead of a traceback.
+    """
 
 
 def key(generation: int, name: str) -> str:
@@ -51,6 +65,62 @@ def key(generation: int, name: str) -> str:
 def open_store(addr: str, port: int, timeout: float) -> Any:
     """A client of the job's store (the supervisor hosts it)."""
     return dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout))
+
+
+def clock(when: float) -> str:
+    """A wall-clock time as people read it in a log: ``14:03:07``."""
+    return time.strftime("%H:%M:%S", time.localtime(when))
+
+
+class WatchedStore:
+    """A store client whose calls are timed, for one thread at a time.
+
+    A TCP connection across a network partition neither answers nor fails: a call blocks until
+    the kernel gives up, a quarter of an hour later. A thread of this object's own checks the
+    call in flight, and calls ``lost(when)`` (``when``: the wall time of the last answer) once
+    one has not returned within ``timeout`` seconds; ``lost`` is expected to end the process.
+    """
+
+    def __init__(self, store: Any, timeout: float, lost: Callable[[float], None]):
+        self.store = store
+        self.timeout = timeout
+        self.answered = time.time()  # wall time of the last answer
+        self._asking: float | None = None  # monotonic start of the call in flight
+        self._lost = lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="towers-contact", daemon=True)
+        self._thread.start()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._asking = time.monotonic()
+            try:
+                answer = method(*args, **kwargs)
+            finally:
+                self._asking = None
+            self.answered = time.time()
+            return answer
+
+        return timed
+
+    def _watch(self) -> None:
+        every = min(1.0, self.timeout / 10)
+        while not self._stop.wait(every):
+            began = self._asking
+            if began is None or time.monotonic() - began <= self.timeout:
+                continue
+            # A thread that held the GIL that long kept the answer from being noted: look again
+            # once the caller had a moment to run.
+            if self._stop.wait(0.2) or self._asking != began:
+                continue
+            self._lost(self.answered)
+            return
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 class Membership:
@@ -71,8 +141,9 @@ class Membership:
         self._regroup = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.where = f"{addr}:{port}"
         # The store client is not shared across threads: the heartbeat has its own.
-        self._beat_store = open_store(addr, port, timeout)
+        self._beat_store = WatchedStore(open_store(addr, port, timeout), timeout, self._cut_off)
         self._beat_store.add(f"hb/{wid}", 1)
         self._thread = threading.Thread(target=self._beat, name="towers-heartbeat", daemon=True)
         self._thread.start()
@@ -87,14 +158,16 @@ class Membership:
                     continue
                 failed = store.check([key(g, "failed")])
                 regroup = store.check([key(g, "regroup")])
-            except Exception:
+            except Exception as exc:
                 if self._stop.is_set():
                     return
                 # The store lives in the supervisor: without it this worker would train on as
                 # a ghost, so it ends now.
                 print(
-                    f"towers: worker {self.id} lost the job's supervisor (the caller of train, or "
-                    "towers run); stopping",
+                    f"towers: worker {self.id}{_here()} lost the job's supervisor (the caller of "
+                    f"train, or towers run: its store at {self.where} stopped answering at "
+                    f"{clock(store.answered)}: {str(exc).splitlines()[0] if str(exc) else exc!r}); "
+                    "stopping",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -104,6 +177,18 @@ class Membership:
                     if failed:
                         self.interrupt.set()
                     self._regroup = self._regroup or regroup
+
+    def _cut_off(self, since: float) -> None:
+        """The heartbeat's call has not returned within the timeout: a partition, or a stop."""
+        print(
+            f"towers: worker {self.id}{_here()} lost contact with the job at {clock(since)}: the "
+            f"job's store at {self.where} has not answered for {self.timeout:g} s (the timeout); "
+            "a network partition, or the store's host stopped. This worker stops (the job drops "
+            "it and trains on without it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
 
     @property
     def regroup_wanted(self) -> bool:
@@ -128,6 +213,17 @@ class Membership:
             ) from None
         return list(json.loads(self.store.get(key(generation, "members"))))
 
+    def _dropped(self) -> str:
+        why = ""
+        with contextlib.suppress(Exception):
+            if self.store.check([f"lost/{self.id}"]):
+                info = json.loads(self.store.get(f"lost/{self.id}"))
+                why = f" at {clock(info['at'])} ({info['why']})"
+        return (
+            f"towers: worker {self.id}{_here()} was dropped from the job{why}; the others train on "
+            "without it. This worker stops"
+        )
+
     def first_generation(self, joining: bool) -> int:
         """0 for a worker started with the job; a replacement waits to be let in."""
         if not joining:
@@ -149,7 +245,7 @@ class Membership:
         while True:
             members = self.members(generation)
             if self.id not in members:
-                raise Dropped(f"worker {self.id} was dropped from the job")
+                raise Dropped(self._dropped())
             with self._lock:
                 self.generation = generation
                 self.interrupt.clear()
@@ -173,3 +269,11 @@ class Membership:
         self._thread.join(1.0)
         with contextlib.suppress(Exception):
             self.store.set(f"left/{self.id}", "1")
+        self._beat_store.close()  # watched until here: a heartbeat stuck in a partition ends it
+
+
+def _here() -> str:
+    """`` on node 1 (host NAME)``: where this worker runs, in a job across hosts."""
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
+        return ""
+    return f" on node {os.environ.get('GROUP_RANK', '?')} (host {socket.gethostname()})"

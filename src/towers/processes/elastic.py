@@ -15,8 +15,8 @@ A worker that raises is not lost but wrong: its exception fails the job, as in
 after every member has done every step.
 
 Across hosts (``towers run --elastic --nnodes M``), :mod:`.elastic_nodes` runs one supervisor
-per host over one store, through the hooks ``_tick``, ``_announce``, ``_replace`` and
-``_admit``.
+per host over one store, through the hooks ``_tick``, ``_announce``, ``_replace``,
+``_admit`` and ``_dropped``.
 """
 
 from __future__ import annotations
@@ -179,6 +179,10 @@ class _Supervisor:
     def _tick(self) -> None:
         """Once per watch tick: nothing on one host (see :mod:`.elastic_nodes`)."""
 
+    def _dropped(self, wid: int) -> bool:
+        """Whether the job dropped ``wid`` while it ran: never on one host (it is killed first)."""
+        return False
+
     def run(self, until_all: bool = False) -> ElasticOutcome:
         """Supervise until a worker returns a result (``until_all``: until every one has)."""
         while self._active():
@@ -193,6 +197,12 @@ class _Supervisor:
                 if seen is None:
                     continue
                 status, rest = seen
+                if status == "error" and self._dropped(wid):
+                    # The job declared it lost (its node fell silent) and trains on without
+                    # it; it said so and stopped: not a bug of its own.
+                    self.procs.pop(wid).kill()
+                    self.outcome.dead.append(wid)
+                    continue
                 if status == "error":
                     raise handle.failure(wid, rest)
                 if status == "ok" and until_all:

@@ -27,9 +27,12 @@ from ..core.args import check_timeout
 from .env import describe_exit, set_worker_threads, worker_env
 from .guard import check_main_guard
 from .lifeline import watch_caller
+from .oom import OomWatch
 from .pack import Packed, pack, unpack
 
 __all__ = ["WorkerError", "spawn"]
+
+_LONGEST_POLL = 86400.0  # seconds
 
 
 class WorkerError(RuntimeError):
@@ -158,6 +161,7 @@ def spawn(
     port = free_port(addr) if port is None else port
     ctx = _context()
     packed = pack((fn, args))  # one shared buffer for every tensor, see processes/pack.py
+    oom = OomWatch()
     procs, conns = [], []
     try:
         for rank in range(workers):
@@ -170,7 +174,7 @@ def spawn(
             send.close()
             procs.append(p)
             conns.append(recv)
-        return _collect(procs, conns, timeout, failure_grace, frozenset(tolerate))
+        return _collect(procs, conns, timeout, failure_grace, frozenset(tolerate), oom)
     finally:
         _stop(procs)
         for c in conns:
@@ -183,6 +187,7 @@ def _collect(
     timeout: float | None,
     failure_grace: float,
     tolerate: frozenset[int] = frozenset(),
+    oom: OomWatch | None = None,
 ) -> list[Any]:
     results: dict[int, Any] = {}
     failures: list[tuple[str, BaseException]] = []
@@ -192,7 +197,8 @@ def _collect(
     while pending:
         now = time.monotonic()
         limits = [t for t in (deadline, stop_at) if t is not None]
-        wait = None if not limits else max(0.0, min(limits) - now)
+        # poll(2) takes at most 2**31 ms (24 days): a longer timeout is waited in turns
+        wait = None if not limits else min(max(0.0, min(limits) - now), _LONGEST_POLL)
         ready = multiprocessing.connection.wait(
             list(pending.values()) + [procs[r].sentinel for r in pending], timeout=wait
         )
@@ -214,7 +220,7 @@ def _collect(
             if status == "died" and rank in tolerate:
                 results[rank] = None
                 continue
-            failures.append((status, _failure(rank, proc, status, rest)))
+            failures.append((status, _failure(rank, proc, status, rest, oom)))
             if stop_at is None:
                 # A rank that names a stuck peer has said all there is to say: the stuck one
                 # will not report, and waiting for it would only delay the error.
@@ -239,7 +245,9 @@ def _collect(
     return [results.get(r) for r in range(len(procs))]
 
 
-def _failure(rank: int, proc: Any, status: str, rest: list[Any]) -> BaseException:
+def _failure(
+    rank: int, proc: Any, status: str, rest: list[Any], oom: OomWatch | None = None
+) -> BaseException:
     if status == "error":
         exc, tb = rest
         if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not isinstance(exc, BaseException):
@@ -248,9 +256,10 @@ def _failure(rank: int, proc: Any, status: str, rest: list[Any]) -> BaseExceptio
             exc.add_note(f"raised in towers worker {rank}:\n{tb}")
         return exc
     proc.join(1.0)
+    why = oom.explain(proc.exitcode) if oom is not None else ""
     return WorkerError(
         f"worker {rank} (pid {proc.pid}) died with {describe_exit(proc.exitcode)} "
-        "before returning a result",
+        f"before returning a result{why}",
         rank,
         proc.exitcode,
     )

@@ -58,6 +58,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..core.args import check_timeout
     from ..core.modes import Engine, parse_mode
     from ..processes.launch import run_script
 
@@ -88,15 +89,25 @@ def _run(args: argparse.Namespace) -> int:
         if mode.engine is not Engine.SYNC or args.max_restarts < 0:
             print("towers run: --elastic needs sync mode and --max-restarts >= 0", file=sys.stderr)
             return 2
+        timeout = args.timeout
+        try:
+            check_timeout(timeout, "--timeout")
+        except ValueError as exc:
+            print(f"towers run: {exc}", file=sys.stderr)
+            return 2
         if args.nnodes > 1:
-            return _run_nodes(args, processes)
+            return _run_nodes(args, processes, timeout)
         return run_script_elastic(
-            args.script, processes, args.script_args, max_restarts=args.max_restarts
+            args.script,
+            processes,
+            args.script_args,
+            max_restarts=args.max_restarts,
+            timeout=timeout,
         )
     return run_script(args.script, processes, args.script_args, addr=args.addr, port=args.port)
 
 
-def _run_nodes(args: argparse.Namespace, processes: int) -> int:
+def _run_nodes(args: argparse.Namespace, processes: int, timeout: float) -> int:
     from ..processes.elastic_nodes import run_script_nodes
 
     if args.port is None or not 0 <= args.node_rank < args.nnodes:
@@ -114,6 +125,7 @@ def _run_nodes(args: argparse.Namespace, processes: int) -> int:
         addr=args.addr,
         port=args.port,
         max_restarts=args.max_restarts,
+        timeout=timeout,
     )
 
 
@@ -192,7 +204,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "run",
         help="run a script as N local workers (the torchrun environment)",
         usage="towers run SCRIPT [-n N] [--mode M] [--addr A] [--port P] "
-        "[--elastic [--max-restarts R] [--nnodes M --node-rank R]] -- [ARGS ...]",
+        "[--elastic [--max-restarts R] [--timeout S] [--nnodes M --node-rank R]] -- [ARGS ...]",
         description="Start N copies of SCRIPT with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
         "MASTER_PORT set as torchrun sets them; stop them all if one fails. Arguments after -- "
         "go to the script.",
@@ -233,6 +245,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="with --elastic: replacements that may join a running job (default 0)",
+    )
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="with --elastic: seconds without an answer from the job before a host stops "
+        "(default 60)",
     )
     run.set_defaults(func=_run)
 
