@@ -24,6 +24,7 @@ from ..comm.base import Comm
 from ..comm.group import Connection, connect
 from ..core.agree import BatchStamp, fingerprint, mean_vector, weighted_means
 from ..core.args import check_timeout
+from ..core.launch import read_launch
 from ..core.split import batch_size, map_batch, split
 from ..core.step import StepResult
 from ..engines import checkpoint
@@ -307,7 +308,8 @@ def init(
     Args are as :func:`towers.init`'s (``api/join.py``), which calls this unless the job was
     started by ``towers run --elastic``.
     """
-    mode = os.environ.get("TOWERS_MODE", "sync")
+    launch = read_launch()
+    mode = launch.mode
     if mode != "sync":
         raise ValueError(
             f"this job was started with --mode {mode}, which applies to scripts that call "
@@ -315,4 +317,4 @@ def init(
             "script without --mode, or train with towers.train(..., mode=...)"
         )
     timeout = check_timeout(timeout)
-    return Context(connect(backend=backend, timeout=timeout, transport=transport))
+    return Context(connect(launch, backend=backend, timeout=timeout, transport=transport))

@@ -7,10 +7,8 @@ A job started by ``towers run --elastic`` gets an
 
 from __future__ import annotations
 
-import os
-
 from ..comm.elastic import ElasticConnection
-from ..processes.elastic import ELASTIC_ENV
+from ..core.launch import read_launch
 from . import context
 from .context import Context
 from .elastic_context import ElasticContext
@@ -43,10 +41,10 @@ def init(
         >>> ctx = towers.init()
         >>> model = ctx.replicate(build_model())  # doctest: +SKIP
     """
-    joining = os.environ.get(ELASTIC_ENV)
-    if not joining:
+    launch = read_launch()
+    if not launch.elastic:
         return context.init(backend=backend, timeout=timeout, transport=transport)
     if backend not in (None, "gloo") or transport == "nccl":
         raise ValueError("towers run --elastic runs CPU workers: use backend='gloo'")
-    conn = ElasticConnection(transport or "auto", timeout, joining=joining == "join")
+    conn = ElasticConnection(launch, transport or "auto", timeout, joining=launch.joining)
     return ElasticContext(conn)

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.group import DEFAULT_TIMEOUT, launched_env
+from ..comm.group import DEFAULT_TIMEOUT
 from ..core.args import check_timeout
 from ..core.data import batches_per_epoch
+from ..core.launch import Launch, read_launch
 from ..core.messages import first_line
 from ..core.modes import Mode, parse_mode
 from ..engines import checkpoint as checkpoint_files
@@ -224,13 +225,14 @@ def train(
         num_workers=num_workers,
     )
     total = _total_steps(steps, epochs, n, batch_size)
-    launched = launched_env()
-    parsed = _mode(mode, launched)
-    workers = _workers(parsed, workers, launched)
+    launch = read_launch()
+    launched = launch.launched
+    parsed = _mode(mode, launch)
+    workers = _workers(parsed, workers, launch)
     check_sync_batchnorm(sync_batchnorm, model, parsed, workers, n, batch_size, accumulate)
     if not launched and (workers > 1 or parsed.name != "sync" or max_restarts):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
-    check_elastic(elastic, parsed, transport, launched, sync_batchnorm)
+    check_elastic(elastic, parsed, transport, launch, sync_batchnorm)
     job = Job(
         model=model,
         loss_fn=loss_fn,
@@ -261,7 +263,7 @@ def train(
         elastic=bool(elastic),
     )
     preflight(job, workers)
-    if job.checkpoint is not None and (not launched or os.environ.get("RANK") == "0"):
+    if job.checkpoint is not None and (not launched or launch.rank == 0):
         checkpoint_files.prepare_directory(job.checkpoint, estimate_bytes(model, n))
     preflight_eval(job, workers)
     out, restarts = _run(job, workers, launched, max_restarts)
@@ -291,18 +293,18 @@ def _run(job: Job, workers: int, launched: bool, max_restarts: int) -> tuple[Eng
         raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
 
 
-def _mode(mode: str, launched: bool) -> Mode:
+def _mode(mode: str, launch: Launch) -> Mode:
     """The mode to train in: ``towers run --mode M`` makes ``M`` the default."""
-    if launched and mode == "sync" and os.environ.get("TOWERS_MODE", "sync") != "sync":
-        mode = os.environ["TOWERS_MODE"]
+    if launch.launched and mode == "sync" and launch.mode != "sync":
+        mode = launch.mode
     return parse_mode(mode)
 
 
-def _workers(mode: Mode, workers: int, launched: bool) -> int:
+def _workers(mode: Mode, workers: int, launch: Launch) -> int:
     """Computing towers: ``workers``, or what a launched job's world size leaves for them."""
     server = 0 if mode.name == "sync" else 1  # the parameter server is one more process
-    if launched:
-        world = int(os.environ["WORLD_SIZE"])
+    if launch.launched:
+        world = launch.world_size
         if world != workers + server:
             warnings.warn(
                 f"train() runs in a launched job of {world} processes; training with "

@@ -19,12 +19,12 @@ from torch import nn
 
 from ..comm.group import TRANSPORTS
 from ..core.data import global_batches, num_samples, take
+from ..core.launch import Launch
 from ..core.messages import shorten
 from ..core.modes import Mode
 from ..core.split import leaves, split
 from ..engines.job import Job
 from ..engines.replica import check_loss
-from ..processes.elastic import ELASTIC_ENV
 from ..processes.pack import check_picklable as pickles
 
 __all__ = [
@@ -193,12 +193,12 @@ def preflight(job: Job, workers: int) -> None:
 
 
 def check_elastic(
-    elastic: Any, mode: Mode, transport: str | None, launched: bool, sync_batchnorm: Any = False
+    elastic: Any, mode: Mode, transport: str | None, launch: Launch, sync_batchnorm: Any = False
 ) -> None:
     """``elastic=True`` needs sync mode, CPU workers, and local workers started by ``train``."""
     if not isinstance(elastic, bool):
         raise TypeError(f"elastic must be True or False, got {elastic!r}")
-    if launched and os.environ.get(ELASTIC_ENV):
+    if launch.launched and launch.elastic:
         raise ValueError(
             "towers run --elastic runs own-loop scripts (towers.init); a script that calls "
             "train() runs elastic as a plain python process: train(..., elastic=True) starts "
@@ -222,7 +222,7 @@ def check_elastic(
             "elastic=True runs CPU workers (Gloo or shared memory); pass transport='gloo' or "
             "'shm', or drop elastic=True to train on GPUs"
         )
-    if launched:
+    if launch.launched:
         raise ValueError(
             "elastic=True is for workers that train() starts itself, not for a job started by "
             "towers run or torchrun: run the script with plain python (own loops: "

@@ -1,9 +1,10 @@
 """Joining a job: the process group from the launcher's environment, and the transport choice.
 
 Every worker sees what ``torchrun`` would give it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``); :func:`connect` joins the process group over env://
-rendezvous the way torchrun's own scripts do, and puts the transport the engines use on top of
-it: shared memory for CPU workers on one host, the process group (Gloo, NCCL) otherwise.
+``MASTER_ADDR``, ``MASTER_PORT``), parsed by the layer above into a
+:class:`~towers.core.launch.Launch`; :func:`connect` joins the process group it describes over
+env:// rendezvous the way torchrun's own scripts do, and puts the transport the engines use on
+top of it: shared memory for CPU workers on one host, the process group (Gloo, NCCL) otherwise.
 Rendezvous on a loopback address listens on loopback only: ``torch.distributed`` has no
 authentication and belongs on trusted networks.
 """
@@ -11,10 +12,8 @@ authentication and belongs on trusted networks.
 from __future__ import annotations
 
 import gc
-import os
 import socket
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.launch import Launch
 from ..core.messages import first_line
 from .base import Comm, DistComm, LocalComm
 from .net import is_loopback
@@ -35,19 +35,12 @@ __all__ = [
     "check_transport",
     "connect",
     "init_process_group",
-    "launched_env",
 ]
 
 # How long a rank waits for the others (rendezvous, or any collective) before the job fails:
 # a dead or stuck worker ends the job within this bound instead of hanging it.
 DEFAULT_TIMEOUT = 60.0
 TRANSPORTS = ("auto", "shm", "gloo", "nccl")
-
-
-def launched_env(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process was started by a launcher (torchrun, ``towers run``, ``spawn``)."""
-    env = os.environ if environ is None else environ
-    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def _store(addr: str, port: int, rank: int, world: int, timeout: timedelta) -> Any:
@@ -83,8 +76,10 @@ def _store(addr: str, port: int, rank: int, world: int, timeout: timedelta) -> A
         ) from None
 
 
-def init_process_group(backend: str | None = None, timeout: float | None = None) -> Any:
-    """Initialise the default process group from the launcher's environment.
+def init_process_group(
+    launch: Launch, backend: str | None = None, timeout: float | None = None
+) -> Any:
+    """Initialise the default process group of the job ``launch`` describes.
 
     Under torchrun the agent's store is used, one key space per restart attempt. A job of our
     own on a loopback ``MASTER_ADDR`` gets a store that listens on loopback only. Every rank
@@ -99,16 +94,15 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
     wait = timedelta(seconds=DEFAULT_TIMEOUT if timeout is None else timeout)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": wait}
     if backend == "nccl":
-        kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        kwargs["device_id"] = torch.device("cuda", launch.local_rank)
+    addr, port = launch.master_addr, launch.master_port
+    rank, world = launch.rank, launch.world_size
+    if launch.agent_store:
         # torchrun's agent hosts the store. After a restart (--max-restarts) the keys of the
         # failed attempt can still be there, and Gloo would dial the dead workers' addresses:
         # keep each attempt's keys apart.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         client = dist.TCPStore(addr, port, world, False, wait)
-        store = dist.PrefixStore(f"towers/attempt_{attempt}", client)
+        store = dist.PrefixStore(f"towers/attempt_{launch.restart_count}", client)
     else:
         store = _store(addr, port, rank, world, wait)
     if not is_loopback(addr):
@@ -139,27 +133,31 @@ class Connection:
             gc.collect()
 
 
-def check_transport(transport: str | None) -> str:
-    """The transport to use: ``transport``, else ``TOWERS_TRANSPORT``, else ``"auto"``."""
+def check_transport(transport: str | None, launched: str | None = None) -> str:
+    """The transport to use: ``transport``, else ``launched`` (``TOWERS_TRANSPORT``), else auto."""
     if transport is None:
-        transport = os.environ.get("TOWERS_TRANSPORT") or "auto"
+        transport = launched or "auto"
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
     return transport
 
 
 def connect(
-    *, backend: str | None = None, timeout: float | None = None, transport: str | None = None
+    launch: Launch,
+    *,
+    backend: str | None = None,
+    timeout: float | None = None,
+    transport: str | None = None,
 ) -> Connection:
-    """Join the job this process was launched into (a world of one if it was not)."""
-    transport = check_transport(transport)
+    """Join the job ``launch`` describes (a world of one if the process was not launched)."""
+    transport = check_transport(transport, launch.transport)
     if transport != "auto":
         backend = backend or ("gloo" if transport == "shm" else transport)
-    if not launched_env():
+    if not launch.launched:
         return Connection(LocalComm(), torch.device("cpu"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = launch.local_rank
     owns_group = not dist.is_initialized()
-    group = init_process_group(backend, timeout)
+    group = init_process_group(launch, backend, timeout)
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", local_rank)

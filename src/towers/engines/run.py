@@ -12,6 +12,7 @@ import torch
 
 from ..comm.group import connect
 from ..core.data import BatchOrder, num_samples
+from ..core.launch import read_launch
 from . import checkpoint
 from .job import EngineResult, Job
 from .ps import check_resumable, run_ps
@@ -27,7 +28,7 @@ def run_job(job: Job, resume: dict[str, Any] | None) -> EngineResult | None:
         # The parameter server talks over its own point-to-point group: a shared-memory segment
         # for collectives would go unused, so take the process group's own backend.
         transport = "nccl" if torch.cuda.is_available() else "gloo"
-    conn = connect(timeout=job.timeout, transport=transport)
+    conn = connect(read_launch(), timeout=job.timeout, transport=transport)
     try:
         if job.asynchronous:
             return run_ps(job, conn, resume)

@@ -38,15 +38,13 @@ import torch.distributed as dist
 
 from ..comm.membership import key
 from ..comm.net import DEFAULT_ADDR, free_port
+from ..core.launch import ELASTIC
 from .env import cpu_count, describe_exit, worker_env
 from .lifeline import die_with_parent
 from .pack import pack
 from .spawn import WorkerError, _context, _failure, _worker_main
 
-__all__ = ["ELASTIC_ENV", "HANG_SECONDS", "ElasticOutcome", "run_script_elastic", "supervise"]
-
-# Set by towers run --elastic in each worker: "1", or "join" for a replacement.
-ELASTIC_ENV = "TOWERS_ELASTIC"
+__all__ = ["HANG_SECONDS", "ElasticOutcome", "run_script_elastic", "supervise"]
 
 # A worker whose heartbeat (every 0.2 s, from a thread) stops this long while its process is
 # stopped (SIGSTOP, a debugger) is hung: it is killed and training goes on without it. A running
@@ -362,7 +360,7 @@ def script_starter(
     threads = str(max(1, cpu_count() // local_workers))
 
     def start(wid: int, joining: bool, env: dict[str, str]) -> _Script:
-        env = {**env, ELASTIC_ENV: "join" if joining else "1"}
+        env = {**env, ELASTIC: "join" if joining else "1"}  # towers run --elastic
         env.setdefault("OMP_NUM_THREADS", threads)
         cmd = [sys.executable, script, *args]
         return _Script(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))

@@ -95,13 +95,17 @@ class _NodeSupervisor(_Supervisor):
             raise WorkerError(error, -1, 2)
 
     def _start(self, wid: int, joining: bool) -> None:
-        env = {**os.environ, **worker_env(wid, self.workers, self.addr, self.port)}
-        env |= {
-            "LOCAL_RANK": str(self.local_rank[wid]),
-            "LOCAL_WORLD_SIZE": str(self.nproc),
-            "GROUP_RANK": str(self.node),
-            "GROUP_WORLD_SIZE": str(self.nnodes),
-        }
+        place = worker_env(
+            wid,
+            self.workers,
+            self.addr,
+            self.port,
+            local_rank=self.local_rank[wid],
+            local_world_size=self.nproc,
+            group_rank=self.node,
+            group_world_size=self.nnodes,
+        )
+        env = {**os.environ, **place}
         self.procs[wid] = self.start_worker(wid, joining, env)
 
     def _active(self) -> bool:

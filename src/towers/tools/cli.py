@@ -58,6 +58,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..core.launch import MODE
     from ..core.modes import parse_mode
     from ..processes.launch import run_script
 
@@ -78,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
             "compute",
             file=sys.stderr,
         )
-    os.environ["TOWERS_MODE"] = str(mode)
+    os.environ[MODE] = str(mode)  # read by towers.train in the script
     if args.nnodes > 1 and not args.elastic:
         print("towers run: --nnodes > 1 needs --elastic (or use torchrun)", file=sys.stderr)
         return 2

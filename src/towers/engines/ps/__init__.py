@@ -21,6 +21,7 @@ from ...comm.base import DistComm, PointToPoint
 from ...comm.group import DEFAULT_TIMEOUT, Connection, check_transport
 from ...comm.mailbox import ShmPointToPoint
 from ...comm.segment import ShmUnavailable
+from ...core.launch import read_launch
 from ...processes.env import set_process_name
 from ..broadcast import verify_same_model
 from ..job import EngineResult, Job
@@ -64,7 +65,7 @@ def run_ps(job: Job, conn: Connection, resume: dict[str, Any] | None) -> EngineR
 
 def _messages(job: Job, comm: DistComm, size: int) -> PointToPoint:
     """Shared memory between the server and its workers on one host, else ``comm`` (Gloo)."""
-    transport = check_transport(job.transport)
+    transport = check_transport(job.transport, read_launch().transport)
     if transport not in ("auto", "shm"):
         return comm
     timeout = DEFAULT_TIMEOUT if job.timeout is None else job.timeout

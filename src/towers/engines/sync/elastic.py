@@ -28,6 +28,7 @@ import torch
 from ...comm.base import PeerFailure
 from ...comm.elastic import ElasticConnection
 from ...core.data import BatchOrder, num_samples
+from ...core.launch import read_launch
 from ...core.split import split
 from ...core.step import StepResult
 from ..evaluate import due
@@ -174,7 +175,7 @@ class _ElasticRun(_Run):
 
 def elastic_loop(job: Job, resume: dict[str, Any] | None, joining: bool) -> EngineResult:
     """Train ``job`` as one elastic worker; every worker returns the (identical) result."""
-    conn = ElasticConnection(job.transport or "auto", job.timeout, joining)
+    conn = ElasticConnection(read_launch(), job.transport or "auto", job.timeout, joining)
     try:
         run = _ElasticRun(job, conn, resume)
         try:
