@@ -40,7 +40,8 @@ class ElasticConnection:
         self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         self.id = launch.rank
         addr, port = launch.master_addr, launch.master_port
-        self.membership = Membership(addr, port, self.id, self.timeout)
+        self.secret = launch.job_secret  # signs the membership records and object messages
+        self.membership = Membership(addr, port, self.id, self.timeout, self.secret)
         self.joining = joining
         self.hosts = launch.group_world_size > 1  # a job across hosts
         self.comm: Comm = LocalComm()
@@ -66,7 +67,9 @@ class ElasticConnection:
                 world_size=world,
                 timeout=timedelta(seconds=self.timeout),
             )
-            base = DistComm(None, self.timeout, self.membership.interrupt, sliced=self.hosts)
+            base = DistComm(
+                None, self.timeout, self.membership.interrupt, self.hosts, secret=self.secret
+            )
             self.comm = self._transport(base)
         except PeerFailure:
             raise

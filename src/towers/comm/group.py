@@ -5,14 +5,15 @@ Every worker sees what ``torchrun`` would give it (``RANK``, ``LOCAL_RANK``, ``W
 :class:`~towers.core.launch.Launch`; :func:`connect` joins the process group it describes over
 env:// rendezvous the way torchrun's own scripts do, and puts the transport the engines use on
 top of it: shared memory for CPU workers on one host, the process group (Gloo, NCCL) otherwise.
-Rendezvous on a loopback address listens on loopback only: ``torch.distributed`` has no
-authentication and belongs on trusted networks.
+The store listens on ``MASTER_ADDR`` only, holds the job's keys under a prefix derived from its
+secret, and refuses a rank of another job (:mod:`towers.comm.store`); object messages are
+signed (:mod:`towers.comm.objects`). Tensors travel unauthenticated and unencrypted: a job across
+hosts belongs on a trusted network (docs/reliability.md, threat model).
 """
 
 from __future__ import annotations
 
 import gc
-import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,10 +24,12 @@ import torch.distributed as dist
 
 from ..core.launch import Launch
 from ..core.messages import first_line
+from ..core.secret import JobSecret
 from .base import Comm, DistComm, LocalComm
 from .net import is_loopback
 from .rendezvous import choose_interface, join
 from .shm import ShmComm, ShmUnavailable
+from .store import check_owner, claim, client_store, host_store, job_store
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -43,37 +46,38 @@ DEFAULT_TIMEOUT = 60.0
 TRANSPORTS = ("auto", "shm", "gloo", "nccl")
 
 
-def _store(addr: str, port: int, rank: int, world: int, timeout: timedelta) -> Any:
-    """The rendezvous store (rank 0 hosts it); on a loopback address it listens on loopback only.
+def _store(launch: Launch, secret: JobSecret | None, timeout: timedelta) -> Any:
+    """The job's rendezvous store, its keys under the job's prefix.
 
-    torch's TCPStore listens on every interface; handing it a socket bound to ``addr`` keeps a
-    single-machine job unreachable from the network.
+    Rank 0 hosts it, listening on ``MASTER_ADDR`` only (torch's TCPStore alone listens on every
+    interface), unless torchrun's agent hosts it. Every other rank first checks that the store is
+    this job's (:func:`towers.comm.store.client_store`): a rank that reaches another job's store
+    is refused before it writes anything.
     """
-    if rank == 0 and not is_loopback(addr):
-        return dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False)
-    if rank == 0:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    addr, port, rank, world = launch.master_addr, launch.master_port, launch.rank, launch.world_size
+    seconds = timeout.total_seconds()
+    if launch.agent_store:
+        # torchrun's agent hosts the store. After a restart (--max-restarts) the keys of the
+        # failed attempt can still be there, and Gloo would dial the dead workers' addresses:
+        # keep each attempt's keys apart.
+        client = dist.TCPStore(addr, port, world, False, timeout)
+        raw = dist.PrefixStore(f"towers/attempt_{launch.restart_count}", client)
+        if rank == 0:
+            claim(raw, secret)
+        else:
+            check_owner(raw, secret, f"{addr}:{port}", seconds)
+    elif rank == 0:
+        raw = host_store(addr, port, seconds, secret, world)
+    else:
         try:
-            sock.bind((addr, port))
-            sock.listen()
-        except OSError as exc:
-            sock.close()
-            raise OSError(
-                exc.errno,
-                f"cannot listen for the rendezvous on {addr}:{port}: {exc.strerror}; the port is "
-                "in use: choose another MASTER_PORT, or leave it unset for a free one",
+            raw = client_store(addr, port, seconds, secret, world)
+        except dist.DistError as exc:
+            raise TimeoutError(
+                f"rank {rank} could not reach the rendezvous at {addr}:{port} within "
+                f"{seconds:g} s: is rank 0 running, and are MASTER_ADDR and MASTER_PORT right? "
+                f"({first_line(exc)})"
             ) from None
-        return dist.TCPStore(
-            addr, port, world, True, timeout, wait_for_workers=False, master_listen_fd=sock.detach()
-        )
-    try:
-        return dist.TCPStore(addr, port, world, False, timeout)
-    except dist.DistError as exc:
-        raise TimeoutError(
-            f"rank {rank} could not reach the rendezvous at {addr}:{port} within "
-            f"{timeout.total_seconds():g} s: is rank 0 running, and are MASTER_ADDR and "
-            f"MASTER_PORT right? ({first_line(exc)})"
-        ) from None
+    return job_store(raw, secret)
 
 
 def init_process_group(
@@ -82,7 +86,7 @@ def init_process_group(
     """Initialise the default process group of the job ``launch`` describes.
 
     Under torchrun the agent's store is used, one key space per restart attempt. A job of our
-    own on a loopback ``MASTER_ADDR`` gets a store that listens on loopback only. Every rank
+    own gets a store that listens on ``MASTER_ADDR`` only (:func:`_store`). Every rank
     checks in before the group is built, so that a rank that never comes is named after
     ``timeout`` (:func:`towers.comm.rendezvous.join`); across hosts, Gloo is pointed at the
     interface that reaches ``MASTER_ADDR`` unless ``GLOO_SOCKET_IFNAME`` says otherwise.
@@ -97,14 +101,7 @@ def init_process_group(
         kwargs["device_id"] = torch.device("cuda", launch.local_rank)
     addr, port = launch.master_addr, launch.master_port
     rank, world = launch.rank, launch.world_size
-    if launch.agent_store:
-        # torchrun's agent hosts the store. After a restart (--max-restarts) the keys of the
-        # failed attempt can still be there, and Gloo would dial the dead workers' addresses:
-        # keep each attempt's keys apart.
-        client = dist.TCPStore(addr, port, world, False, wait)
-        store = dist.PrefixStore(f"towers/attempt_{launch.restart_count}", client)
-    else:
-        store = _store(addr, port, rank, world, wait)
+    store = _store(launch, launch.job_secret, wait)
     if not is_loopback(addr):
         choose_interface(addr, backend)
     join(store, rank, world, wait, f"{addr}:{port}")
@@ -120,6 +117,7 @@ class Connection:
     device: torch.device
     local_rank: int = 0
     owns_group: bool = False
+    secret: JobSecret | None = None  # signs the job's object messages
 
     def close(self) -> None:
         """Release the transport and, if :func:`connect` created it, the process group."""
@@ -163,8 +161,9 @@ def connect(
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     wait = DEFAULT_TIMEOUT if timeout is None else timeout
-    comm = shm_or_group(DistComm(group, wait), transport, wait)
-    return Connection(comm, device, local_rank, owns_group)
+    secret = launch.job_secret
+    comm = shm_or_group(DistComm(group, wait, secret=secret), transport, wait)
+    return Connection(comm, device, local_rank, owns_group, secret)
 
 
 def shm_or_group(

@@ -17,6 +17,11 @@ member's rank is its index in that list. Its keys:
   metadata of a step, to move there after that step.
 - ``join/<id>``: the generation a replacement enters; ``ready/<id>``: a replacement is built;
   ``left/<id>``: a worker is done and stopped its heartbeat.
+
+Every key lives under the job's prefix, and the records that decide who is a member
+(``members``, ``failed``, ``regroup``, ``join``, ``ready``) are signed with the job's secret
+(:mod:`towers.comm.store`): a process that reaches the store can list the keys, but its own
+records are passed over, so it cannot make itself a member.
 """
 
 from __future__ import annotations
@@ -27,12 +32,11 @@ import os
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
+from ..core.secret import JobSecret
 from .base import PeerTimeout
+from .store import client_store, get_signed, job_store, put_signed, read_signed
 
 __all__ = ["HEARTBEAT", "Dropped", "Membership", "key", "open_store"]
 
@@ -48,9 +52,9 @@ def key(generation: int, name: str) -> str:
     return f"g{generation}/{name}"
 
 
-def open_store(addr: str, port: int, timeout: float) -> Any:
-    """A client of the job's store (the supervisor hosts it)."""
-    return dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout))
+def open_store(addr: str, port: int, timeout: float, secret: JobSecret | None) -> Any:
+    """A client of the job's store (the supervisor hosts it), checked to be this job's."""
+    return job_store(client_store(addr, port, timeout, secret), secret)
 
 
 class Membership:
@@ -60,19 +64,23 @@ class Membership:
         addr, port: the job's store.
         wid: this worker's id.
         timeout: seconds to wait for a generation to be published or its members to arrive.
+        secret: the job's secret, which signs the membership records.
     """
 
-    def __init__(self, addr: str, port: int, wid: int, timeout: float):
+    def __init__(
+        self, addr: str, port: int, wid: int, timeout: float, secret: JobSecret | None = None
+    ):
         self.id = wid
         self.timeout = timeout
-        self.store = open_store(addr, port, timeout)
+        self.secret = secret
+        self.store = open_store(addr, port, timeout, secret)
         self.interrupt = threading.Event()  # a member of the current generation was lost
         self.generation = -1
         self._regroup = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # The store client is not shared across threads: the heartbeat has its own.
-        self._beat_store = open_store(addr, port, timeout)
+        self._beat_store = open_store(addr, port, timeout, secret)
         self._beat_store.add(f"hb/{wid}", 1)
         self._thread = threading.Thread(target=self._beat, name="towers-heartbeat", daemon=True)
         self._thread.start()
@@ -85,8 +93,8 @@ class Membership:
                 g = self.generation
                 if g < 0:
                     continue
-                failed = store.check([key(g, "failed")])
-                regroup = store.check([key(g, "regroup")])
+                failed = get_signed(store, self.secret, key(g, "failed")) is not None
+                regroup = get_signed(store, self.secret, key(g, "regroup")) is not None
             except Exception:
                 if self._stop.is_set():
                     return
@@ -112,29 +120,29 @@ class Membership:
 
     def failure(self, generation: int) -> tuple[list[int], float] | None:
         """The ids lost in ``generation`` and when, or ``None`` if it did not fail."""
-        if not self.store.check([key(generation, "failed")]):
+        text = get_signed(self.store, self.secret, key(generation, "failed"))
+        if text is None:
             return None
-        info = json.loads(self.store.get(key(generation, "failed")))
+        info = json.loads(text)
         return info["dead"], info["at"]
 
     def members(self, generation: int) -> list[int]:
         """The members of ``generation``, once the supervisor published it."""
         try:
-            self.store.wait([key(generation, "members")], timedelta(seconds=self.timeout))
-        except Exception:
+            text = read_signed(self.store, self.secret, key(generation, "members"), self.timeout)
+        except TimeoutError:
             raise PeerTimeout(
                 f"worker {self.id}: generation {generation} of the job was not published within "
                 f"{self.timeout:g} s; did the supervisor (the caller of train) exit?"
             ) from None
-        return list(json.loads(self.store.get(key(generation, "members"))))
+        return list(json.loads(text))
 
     def first_generation(self, joining: bool) -> int:
         """0 for a worker started with the job; a replacement waits to be let in."""
         if not joining:
             return 0
-        self.store.set(f"ready/{self.id}", "1")
-        self.store.wait([f"join/{self.id}"], timedelta(seconds=self.timeout))
-        return int(self.store.get(f"join/{self.id}"))
+        put_signed(self.store, self.secret, f"ready/{self.id}", "1")
+        return int(read_signed(self.store, self.secret, f"join/{self.id}", self.timeout))
 
     def enter(self, generation: int) -> tuple[int, list[int]]:
         """Arrive in ``generation`` (or a later one, if it fails) once all its members are here.
@@ -156,7 +164,7 @@ class Membership:
                 self._regroup = False
             self.store.add(key(generation, "here"), 1)
             deadline = time.monotonic() + self.timeout
-            while not self.store.check([key(generation, "failed")]):
+            while get_signed(self.store, self.secret, key(generation, "failed")) is None:
                 if self.store.add(key(generation, "here"), 0) >= len(members):
                     return generation, members
                 if time.monotonic() > deadline:

@@ -12,7 +12,7 @@ torchrun's variables: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SI
 agent's store (``TORCHELASTIC_USE_AGENT_STORE``, ``TORCHELASTIC_RESTART_COUNT``). towers' own:
 ``TOWERS_MODE`` (``towers run --mode``), ``TOWERS_TRANSPORT``, ``TOWERS_ELASTIC`` (``"1"``, or
 ``"join"`` for a replacement, under ``towers run --elastic``) and ``TOWERS_SECRET`` (the job's
-secret).
+secret, :mod:`towers.core.secret`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from .secret import JobSecret
 
 __all__ = [
     "ELASTIC",
@@ -76,6 +78,11 @@ class Launch:
     elastic: bool = False
     joining: bool = False
     secret: str | None = field(default=None, repr=False)
+
+    @property
+    def job_secret(self) -> JobSecret | None:
+        """The job's secret with what derives from it, or ``None`` if the job has none."""
+        return None if self.secret is None else JobSecret(self.secret)
 
     def environ(self) -> dict[str, str]:
         """The variables that tell a worker this record (what :func:`parse_launch` reads)."""

@@ -25,20 +25,18 @@ import json
 import multiprocessing.connection
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
-
-import torch.distributed as dist
 
 from ..comm.membership import key
 from ..comm.net import DEFAULT_ADDR, free_port
+from ..comm.store import get_signed, host_store, job_store, put_signed
 from ..core.launch import ELASTIC
+from ..core.secret import JobSecret, new_secret
 from .env import cpu_count, describe_exit, worker_env
 from .lifeline import die_with_parent
 from .pack import pack
@@ -62,24 +60,9 @@ class ElasticOutcome:
     replacements: int = 0
 
 
-def _host_store(addr: str, port: int, timeout: float) -> Any:
-    """The job's store, listening on ``addr`` only."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((addr, port))
-        sock.listen()
-    except OSError:
-        sock.close()
-        raise
-    return dist.TCPStore(
-        addr,
-        port,
-        None,
-        True,
-        timedelta(seconds=timeout),
-        wait_for_workers=False,
-        master_listen_fd=sock.detach(),
-    )
+def _host_store(addr: str, port: int, timeout: float, secret: JobSecret | None) -> Any:
+    """The job's store, listening on ``addr`` only, with the job's keys under its prefix."""
+    return job_store(host_store(addr, port, timeout, secret), secret)
 
 
 def _stopped(pid: int) -> bool:
@@ -131,10 +114,12 @@ class _Supervisor:
         hang: float,
         addr: str,
         timeout: float,
+        secret: str | None = None,
     ):
-        self._setup(start, workers, max_restarts, hang, addr, timeout)
+        secret = new_secret() if secret is None else secret
+        self._setup(start, workers, max_restarts, hang, addr, timeout, secret)
         self.port = free_port(addr)
-        self.store = _host_store(addr, self.port, timeout)
+        self.store = _host_store(addr, self.port, timeout, self.secret)
         self._publish(list(range(workers)))
         for wid in range(workers):
             self._start(wid, joining=False)
@@ -147,10 +132,14 @@ class _Supervisor:
         hang: float,
         addr: str,
         timeout: float,
+        secret: str | None,
     ) -> None:
         self.start_worker, self.workers = start, workers
         self.max_restarts, self.hang, self.addr = max_restarts, hang, addr
         self.timeout = timeout
+        # The workers get the job's secret in their environment; it signs the records here.
+        self.secret_text = secret
+        self.secret = None if secret is None else JobSecret(secret)
         self.procs: dict[int, Any] = {}
         self.generations: dict[int, list[int]] = {}
         self.marked: set[int] = set()  # generations announced as failed
@@ -164,11 +153,12 @@ class _Supervisor:
     def _publish(self, members: list[int]) -> int:
         g = len(self.generations)
         self.generations[g] = members
-        self.store.set(key(g, "members"), json.dumps(members))
+        put_signed(self.store, self.secret, key(g, "members"), json.dumps(members))
         return g
 
     def _start(self, wid: int, joining: bool) -> None:
-        env = {**os.environ, **worker_env(wid, self.workers, self.addr, self.port)}
+        place = worker_env(wid, self.workers, self.addr, self.port, secret=self.secret_text)
+        env = {**os.environ, **place}
         self.procs[wid] = self.start_worker(wid, joining, env)
 
     def _active(self) -> bool:
@@ -250,7 +240,7 @@ class _Supervisor:
             info = json.dumps({"dead": [wid], "at": at})
             for g, members in self.generations.items():
                 if wid in members and g not in self.marked:
-                    self.store.set(key(g, "failed"), info)
+                    put_signed(self.store, self.secret, key(g, "failed"), info)
                     self.marked.add(g)
             latest = self.generations[len(self.generations) - 1]
             if wid in latest:
@@ -274,14 +264,14 @@ class _Supervisor:
     def _admit(self) -> None:
         """Let each built replacement into the next generation, at the members' next step."""
         for wid in sorted(self.waiting):
-            if not self.store.check([f"ready/{wid}"]):
+            if get_signed(self.store, self.secret, f"ready/{wid}") is None:
                 continue
             self.waiting.discard(wid)
             current = len(self.generations) - 1
             g = self._publish([*self.generations[current], wid])
             self.admitted[wid] = g
-            self.store.set(f"join/{wid}", str(g))
-            self.store.set(key(current, "regroup"), "1")
+            put_signed(self.store, self.secret, f"join/{wid}", str(g))
+            put_signed(self.store, self.secret, key(current, "regroup"), "1")
 
     def stop(self) -> None:
         for handle in self.procs.values():
@@ -300,7 +290,8 @@ def supervise(
     """Run ``fn(*args, joining)`` as an elastic job of ``workers`` local processes.
 
     Each worker gets the torchrun environment with ``RANK`` = its id and ``MASTER_ADDR`` /
-    ``MASTER_PORT`` = the job's store, hosted here; ``joining`` is true for a replacement.
+    ``MASTER_PORT`` = the job's store, hosted here, and the job's fresh secret
+    (``TOWERS_SECRET``); ``joining`` is true for a replacement.
     Workers are lost, announced and replaced as the module doc says; the first result a
     worker returns ends the job, and every process is stopped before this returns.
 
@@ -376,15 +367,18 @@ def run_script_elastic(
     max_restarts: int = 0,
     timeout: float = 60.0,
     addr: str = DEFAULT_ADDR,
+    secret: str | None = None,
 ) -> int:
     """``towers run --elastic``: run ``python SCRIPT ARGS`` as an elastic job of ``workers``.
 
     A worker killed by a signal or hung is lost and the others go on (up to ``max_restarts``
     replacements join); one that exits non-zero fails the job. Returns 0 when every remaining
-    worker has exited 0, else the failed worker's exit code.
+    worker has exited 0, else the failed worker's exit code. Its workers get ``secret`` (a
+    fresh one by default) in their environment.
     """
     start = script_starter(script, args, workers)
-    sup = _Supervisor(start, workers, max_restarts, min(HANG_SECONDS, timeout), addr, timeout)
+    hang = min(HANG_SECONDS, timeout)
+    sup = _Supervisor(start, workers, max_restarts, hang, addr, timeout, secret=secret)
     try:
         outcome = sup.run(until_all=True)
     except WorkerError as exc:

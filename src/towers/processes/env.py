@@ -21,6 +21,7 @@ __all__ = [
     "ENV_KEYS",
     "cpu_count",
     "describe_exit",
+    "read_secret_file",
     "set_process_name",
     "set_worker_threads",
     "worker_env",
@@ -47,12 +48,14 @@ def worker_env(
     local_world_size: int | None = None,
     group_rank: int = 0,
     group_world_size: int = 1,
+    secret: str | None = None,
 ) -> dict[str, str]:
     """The variables torchrun sets for one worker (:meth:`towers.core.launch.Launch.environ`).
 
-    By default a single-node job: the local rank and world are the global ones. On a loopback
-    address Gloo is also told to use the loopback interface, so that no socket of a local job
-    listens on the network.
+    By default a single-node job: the local rank and world are the global ones. ``secret`` is
+    the job's (``TOWERS_SECRET``): the worker gets it in its environment, never over the
+    network. On a loopback address Gloo is also told to use the loopback interface, so that no
+    socket of a local job listens on the network.
     """
     env = {}
     if is_loopback(addr) and os.path.exists("/sys/class/net/lo"):
@@ -67,8 +70,33 @@ def worker_env(
         group_world_size=group_world_size,
         master_addr=addr,
         master_port=port,
+        secret=secret,
     )
     return env | launch.environ()
+
+
+def read_secret_file(path: str) -> str:
+    """The job's secret from ``path`` (``towers run --secret-file``), stripped of blank ends.
+
+    Raises:
+        FileNotFoundError: no such file.
+        PermissionError: other users may read or write it (``chmod 600`` it).
+        ValueError: it is empty.
+    """
+    mode = os.stat(path).st_mode
+    if mode & 0o077:
+        raise PermissionError(
+            f"the secret file {path} can be read or written by other users (mode "
+            f"{oct(mode & 0o777)}): chmod 600 {path}"
+        )
+    with open(path) as f:
+        secret = f.read().strip()
+    if not secret:
+        raise ValueError(
+            f"the secret file {path} is empty: write the job's secret in it, the same on every "
+            f"node (e.g. openssl rand -hex 32 > {path})"
+        )
+    return secret
 
 
 def describe_exit(exitcode: int | None) -> str:

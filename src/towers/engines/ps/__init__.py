@@ -13,6 +13,7 @@ Gloo point-to-point otherwise, or with ``transport="gloo"``.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import torch.distributed as dist
@@ -44,7 +45,7 @@ def run_ps(job: Job, conn: Connection, resume: dict[str, Any] | None) -> EngineR
     # Messages travel on the CPU over Gloo even when the towers compute on GPUs (NCCL has no
     # way to tell a receiver that its peer died); a Gloo group beside NCCL's serves them.
     group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    comm = DistComm(group)
+    comm = DistComm(group, secret=conn.secret)
     verify_same_model(job.model, comm)
     layout = Layout(job.model)
     towers = world - 1
@@ -55,12 +56,13 @@ def run_ps(job: Job, conn: Connection, resume: dict[str, Any] | None) -> EngineR
         server = Server(job, ServerLink(link, layout, towers), layout, towers, conn.device, resume)
         result = server.run()
         if job.every_rank:
+            # As plain data: a job without a secret accepts nothing else (comm/objects.py).
             for t in sorted(set(range(towers)) - set(result.dead_workers)):
-                comm.send_object(result, t + 1)
+                comm.send_object(asdict(result), t + 1)
         return result
     set_process_name(f"towers-tower{rank - 1}")
     work(WorkerLink(link, layout), job, rank - 1, towers, conn.device)
-    return comm.recv_object(0) if job.every_rank else None
+    return EngineResult(**comm.recv_object(0)) if job.every_rank else None
 
 
 def _messages(job: Job, comm: DistComm, size: int) -> PointToPoint:
