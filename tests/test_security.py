@@ -372,7 +372,7 @@ def _hex(addr: str) -> str:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("elastic", [False], ids=["plain"])
+@pytest.mark.parametrize("elastic", [False, True], ids=["plain", "elastic"])
 def test_towers_run_listens_on_the_address_given_only(tmp_path, elastic):
     """In a fresh network namespace every listener is the job's: none may be on 0.0.0.0."""
     port, steps = random.randrange(20000, 30000), 12

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..comm.membership import key
-from ..comm.net import DEFAULT_ADDR, free_port
+from ..comm.net import DEFAULT_ADDR, free_port, is_loopback
+from ..comm.rendezvous import choose_interface
 from ..comm.store import get_signed, host_store, job_store, put_signed
 from ..core.launch import ELASTIC
 from ..core.secret import JobSecret, new_secret
@@ -114,11 +115,12 @@ class _Supervisor:
         hang: float,
         addr: str,
         timeout: float,
+        port: int | None = None,
         secret: str | None = None,
     ):
         secret = new_secret() if secret is None else secret
         self._setup(start, workers, max_restarts, hang, addr, timeout, secret)
-        self.port = free_port(addr)
+        self.port = free_port(addr) if port is None else port
         self.store = _host_store(addr, self.port, timeout, self.secret)
         self._publish(list(range(workers)))
         for wid in range(workers):
@@ -367,18 +369,26 @@ def run_script_elastic(
     max_restarts: int = 0,
     timeout: float = 60.0,
     addr: str = DEFAULT_ADDR,
+    port: int | None = None,
     secret: str | None = None,
 ) -> int:
     """``towers run --elastic``: run ``python SCRIPT ARGS`` as an elastic job of ``workers``.
 
     A worker killed by a signal or hung is lost and the others go on (up to ``max_restarts``
     replacements join); one that exits non-zero fails the job. Returns 0 when every remaining
-    worker has exited 0, else the failed worker's exit code. Its workers get ``secret`` (a
-    fresh one by default) in their environment.
+    worker has exited 0, else the failed worker's exit code. The job's store listens on
+    ``addr``:``port`` (a free port by default); its workers get ``secret`` (a fresh one by
+    default) in their environment.
     """
+    if not is_loopback(addr):
+        choose_interface(addr, "gloo")  # the workers' Gloo listens on addr's interface too
     start = script_starter(script, args, workers)
     hang = min(HANG_SECONDS, timeout)
-    sup = _Supervisor(start, workers, max_restarts, hang, addr, timeout, secret=secret)
+    try:
+        sup = _Supervisor(start, workers, max_restarts, hang, addr, timeout, port, secret)
+    except OSError as exc:  # the port is taken, or addr is not this host's
+        print(f"towers run: {exc}", file=sys.stderr)
+        return 1
     try:
         outcome = sup.run(until_all=True)
     except WorkerError as exc:

@@ -101,6 +101,8 @@ def _run(args: argparse.Namespace) -> int:
             processes,
             args.script_args,
             max_restarts=args.max_restarts,
+            addr=args.addr,
+            port=args.port,
             secret=secret,
         )
     return run_script(
