@@ -17,14 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.group import TRANSPORTS, launched_env
+from ..comm.group import TRANSPORTS
 from ..core.data import global_batches, num_samples, take
+from ..core.launch import Launch
 from ..core.messages import shorten
 from ..core.modes import Engine, Mode
 from ..core.split import leaves, split
 from ..engines.job import Job
 from ..engines.replica import check_loss
-from ..processes.elastic import ELASTIC_ENV
 from ..processes.env import cpu_count
 from ..processes.pack import check_picklable as pickles
 
@@ -116,12 +116,12 @@ def check_arguments(
     return n
 
 
-def check_workers(mode: Mode, workers: int) -> None:
+def check_workers(mode: Mode, workers: int, launched: bool = False) -> None:
     """``ValueError`` if ``mode`` cannot train with ``workers`` computing towers; a warning
     for more workers than cores."""
     mode.check_workers(workers)
     cores = cpu_count()
-    if workers > cores and not launched_env():
+    if workers > cores and not launched:
         same = "gives the same result" if mode.engine is Engine.SYNC else "trains as well"
         warnings.warn(
             f"workers={workers} on {cores} cores: the towers take turns on the cores and every "
@@ -207,11 +207,11 @@ def preflight(job: Job, workers: int) -> None:
         check_loss(job.loss_fn(probe, shard), model=probe)
 
 
-def check_elastic(elastic: Any, mode: Mode, transport: str | None, launched: bool) -> None:
+def check_elastic(elastic: Any, mode: Mode, transport: str | None, launch: Launch) -> None:
     """``elastic=True`` needs sync mode, CPU workers, and local workers started by ``train``."""
     if not isinstance(elastic, bool):
         raise TypeError(f"elastic must be True or False, got {elastic!r}")
-    if launched and os.environ.get(ELASTIC_ENV):
+    if launch.launched and launch.elastic:
         raise ValueError(
             "towers run --elastic runs own-loop scripts (towers.init); a script that calls "
             "train() runs elastic as a plain python process: train(..., elastic=True) starts "
@@ -230,7 +230,7 @@ def check_elastic(elastic: Any, mode: Mode, transport: str | None, launched: boo
             "elastic=True runs CPU workers (Gloo or shared memory); pass transport='gloo' or "
             "'shm', or drop elastic=True to train on GPUs"
         )
-    if launched:
+    if launch.launched:
         raise ValueError(
             "elastic=True is for workers that train() starts itself, not for a job started by "
             "towers run or torchrun: run the script with plain python (own loops: "
@@ -238,12 +238,12 @@ def check_elastic(elastic: Any, mode: Mode, transport: str | None, launched: boo
         )
 
 
-def launched_workers(mode: Mode, workers: int, launched: bool) -> int:
+def launched_workers(mode: Mode, workers: int, launch: Launch) -> int:
     """Computing towers: ``workers``, or what a launched job's world size leaves for them."""
-    if not launched:
+    if not launch.launched:
         return workers
     server = mode.servers  # the parameter server is one more process
-    world = int(os.environ["WORLD_SIZE"])
+    world = launch.world_size
     if world != workers + server:
         warnings.warn(
             f"train() runs in a launched job of {world} processes; training with "

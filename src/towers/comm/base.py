@@ -17,7 +17,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ..core.secret import JobSecret
 from .hang import absent_ranks, hang_error, publish_pid
+from .objects import decode, encode
 
 __all__ = ["Comm", "DistComm", "LocalComm", "PeerFailure", "PeerTimeout", "PointToPoint", "Work"]
 
@@ -215,7 +217,8 @@ class DistComm:
 
     With ``interrupt`` (elastic runs), a collective's failure raises :class:`PeerFailure`, and
     setting the event makes a waiting collective raise it too; without, a failed collective
-    names the ranks that did not arrive.
+    names the ranks that did not arrive. Object messages are signed with ``secret`` and
+    checked before they are read (:mod:`towers.comm.objects`); never plain pickles.
     """
 
     def __init__(
@@ -224,7 +227,9 @@ class DistComm:
         timeout: float | None = None,
         interrupt: threading.Event | None = None,
         sliced: bool = False,
+        secret: JobSecret | None = None,
     ):
+        self.secret = secret
         self.sliced = sliced  # wait without Python callbacks (elastic jobs across hosts)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -287,17 +292,47 @@ class DistComm:
         assert work is not None
         return self._work(work)
 
+    def _device(self) -> torch.device:
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _sender(self, rank: int) -> str:
+        """``"rank 2 (pid 4711 on host h)"``, as far as the rank said so in the store."""
+        with contextlib.suppress(Exception):
+            if self._store is not None and self._store.check([f"towers/pid/{rank}"]):
+                pid, host = self._store.get(f"towers/pid/{rank}").decode().split(" ", 1)
+                return f"rank {rank} (pid {pid} on host {host}, as it reported)"
+        return f"rank {rank}"
+
+    def _decode(self, data: torch.Tensor, rank: int) -> Any:
+        return decode(data.cpu().numpy().tobytes(), self.secret, self._sender(rank))
+
     def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
+        """Every rank's ``obj``; each message checked (:mod:`towers.comm.objects`) before use."""
+        blob, device = encode(obj, self.secret), self._device()
+        size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
         with self._object_errors():
-            dist.all_gather_object(out, obj, group=self.group)
-        return out
+            self._wait(dist.all_gather(sizes, size, group=self.group, async_op=True))
+            counts = [int(n.item()) for n in sizes]
+            mine = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+            mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            out = [torch.empty_like(mine) for _ in range(self.world_size)]
+            self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
+        return [self._decode(t[:n], r) for r, (t, n) in enumerate(zip(out, counts))]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        box = [obj if self.rank == src else None]
+        device = self._device()
+        blob = encode(obj, self.secret) if self.rank == src else b""
+        size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
         with self._object_errors():
-            dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
+            self._wait(dist.broadcast(size, src=src, group=self.group, async_op=True))
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+            if self.rank == src:
+                data.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+            self._wait(dist.broadcast(data, src=src, group=self.group, async_op=True))
+        return obj if self.rank == src else self._decode(data, src)
 
     def barrier(self) -> None:
         self._wait(dist.barrier(group=self.group, async_op=True))
@@ -317,12 +352,17 @@ class DistComm:
         dist.recv(tensor, src, group=self.group)
 
     def send_object(self, obj: Any, dst: int) -> None:
-        dist.send_object_list([obj], dst, group=self.group)
+        blob, device = encode(obj, self.secret), self._device()
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+        dist.send(torch.tensor([len(blob)], dtype=torch.int64, device=device), dst, self.group)
+        dist.send(data, dst, group=self.group)
 
     def recv_object(self, src: int) -> Any:
-        out: list[Any] = [None]
-        dist.recv_object_list(out, src, group=self.group)
-        return out[0]
+        size = torch.empty(1, dtype=torch.int64, device=self._device())
+        dist.recv(size, src, group=self.group)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=size.device)
+        dist.recv(data, src, group=self.group)
+        return self._decode(data, src)
 
 
 # torch >= 2.12 names it all_gather_single and deprecates the older name

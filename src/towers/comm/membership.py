@@ -23,6 +23,11 @@ The store is on another host in a job across hosts, and a network partition answ
 at all: no error, a call that never returns. The heartbeat's calls are timed
 (:class:`WatchedStore`): one that has not returned within the timeout ends the worker with a
 line saying that it lost contact with the job, and since when.
+
+Every key lives under the job's prefix, and the records that decide who is a member
+(``members``, ``failed``, ``regroup``, ``join``, ``ready``) are signed with the job's secret
+(:mod:`towers.comm.store`): a process that reaches the store can list the keys, but its own
+records are passed over, so it cannot make itself a member.
 """
 
 from __future__ import annotations
@@ -36,12 +41,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
+from ..core.secret import JobSecret
 from .base import PeerTimeout
+from .store import client_store, get_signed, job_store, put_signed, read_signed
 
 __all__ = ["HEARTBEAT", "Dropped", "Membership", "WatchedStore", "clock", "key", "open_store"]
 
@@ -62,9 +66,9 @@ def key(generation: int, name: str) -> str:
     return f"g{generation}/{name}"
 
 
-def open_store(addr: str, port: int, timeout: float) -> Any:
-    """A client of the job's store (the supervisor hosts it)."""
-    return dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout))
+def open_store(addr: str, port: int, timeout: float, secret: JobSecret | None) -> Any:
+    """A client of the job's store (the supervisor hosts it), checked to be this job's."""
+    return job_store(client_store(addr, port, timeout, secret), secret)
 
 
 def clock(when: float) -> str:
@@ -130,12 +134,25 @@ class Membership:
         addr, port: the job's store.
         wid: this worker's id.
         timeout: seconds to wait for a generation to be published or its members to arrive.
+        secret: the job's secret, which signs the membership records.
+        node: this worker's node, in a job across hosts (its lines then say where it runs).
     """
 
-    def __init__(self, addr: str, port: int, wid: int, timeout: float):
+    def __init__(
+        self,
+        addr: str,
+        port: int,
+        wid: int,
+        timeout: float,
+        secret: JobSecret | None = None,
+        node: int | None = None,
+    ):
         self.id = wid
+        # where this worker runs, in its lines: `` on node 1 (host NAME)`` across hosts
+        self.here = "" if node is None else f" on node {node} (host {socket.gethostname()})"
         self.timeout = timeout
-        self.store = open_store(addr, port, timeout)
+        self.secret = secret
+        self.store = open_store(addr, port, timeout, secret)
         self.interrupt = threading.Event()  # a member of the current generation was lost
         self.generation = -1
         self._regroup = False
@@ -143,7 +160,9 @@ class Membership:
         self._stop = threading.Event()
         self.where = f"{addr}:{port}"
         # The store client is not shared across threads: the heartbeat has its own.
-        self._beat_store = WatchedStore(open_store(addr, port, timeout), timeout, self._cut_off)
+        self._beat_store = WatchedStore(
+            open_store(addr, port, timeout, secret), timeout, self._cut_off
+        )
         self._beat_store.add(f"hb/{wid}", 1)
         self._thread = threading.Thread(target=self._beat, name="towers-heartbeat", daemon=True)
         self._thread.start()
@@ -156,15 +175,15 @@ class Membership:
                 g = self.generation
                 if g < 0:
                     continue
-                failed = store.check([key(g, "failed")])
-                regroup = store.check([key(g, "regroup")])
+                failed = get_signed(store, self.secret, key(g, "failed")) is not None
+                regroup = get_signed(store, self.secret, key(g, "regroup")) is not None
             except Exception as exc:
                 if self._stop.is_set():
                     return
                 # The store lives in the supervisor: without it this worker would train on as
                 # a ghost, so it ends now.
                 print(
-                    f"towers: worker {self.id}{_here()} lost the job's supervisor (the caller of "
+                    f"towers: worker {self.id}{self.here} lost the job's supervisor (the caller of "
                     f"train, or towers run: its store at {self.where} stopped answering at "
                     f"{clock(store.answered)}: {str(exc).splitlines()[0] if str(exc) else exc!r}); "
                     "stopping",
@@ -181,7 +200,7 @@ class Membership:
     def _cut_off(self, since: float) -> None:
         """The heartbeat's call has not returned within the timeout: a partition, or a stop."""
         print(
-            f"towers: worker {self.id}{_here()} lost contact with the job at {clock(since)}: the "
+            f"towers: worker {self.id}{self.here} lost contact with the job at {clock(since)}: the "
             f"job's store at {self.where} has not answered for {self.timeout:g} s (the timeout); "
             "a network partition, or the store's host stopped. This worker stops (the job drops "
             "it and trains on without it)",
@@ -197,21 +216,22 @@ class Membership:
 
     def failure(self, generation: int) -> tuple[list[int], float] | None:
         """The ids lost in ``generation`` and when, or ``None`` if it did not fail."""
-        if not self.store.check([key(generation, "failed")]):
+        text = get_signed(self.store, self.secret, key(generation, "failed"))
+        if text is None:
             return None
-        info = json.loads(self.store.get(key(generation, "failed")))
+        info = json.loads(text)
         return info["dead"], info["at"]
 
     def members(self, generation: int) -> list[int]:
         """The members of ``generation``, once the supervisor published it."""
         try:
-            self.store.wait([key(generation, "members")], timedelta(seconds=self.timeout))
-        except Exception:
+            text = read_signed(self.store, self.secret, key(generation, "members"), self.timeout)
+        except TimeoutError:
             raise PeerTimeout(
                 f"worker {self.id}: generation {generation} of the job was not published within "
                 f"{self.timeout:g} s; did the supervisor (the caller of train) exit?"
             ) from None
-        return list(json.loads(self.store.get(key(generation, "members"))))
+        return list(json.loads(text))
 
     def _dropped(self) -> str:
         why = ""
@@ -220,17 +240,16 @@ class Membership:
                 info = json.loads(self.store.get(f"lost/{self.id}"))
                 why = f" at {clock(info['at'])} ({info['why']})"
         return (
-            f"towers: worker {self.id}{_here()} was dropped from the job{why}; the others train on "
-            "without it. This worker stops"
+            f"towers: worker {self.id}{self.here} was dropped from the job{why}; the others train "
+            "on without it. This worker stops"
         )
 
     def first_generation(self, joining: bool) -> int:
         """0 for a worker started with the job; a replacement waits to be let in."""
         if not joining:
             return 0
-        self.store.set(f"ready/{self.id}", "1")
-        self.store.wait([f"join/{self.id}"], timedelta(seconds=self.timeout))
-        return int(self.store.get(f"join/{self.id}"))
+        put_signed(self.store, self.secret, f"ready/{self.id}", "1")
+        return int(read_signed(self.store, self.secret, f"join/{self.id}", self.timeout))
 
     def enter(self, generation: int) -> tuple[int, list[int]]:
         """Arrive in ``generation`` (or a later one, if it fails) once all its members are here.
@@ -252,7 +271,7 @@ class Membership:
                 self._regroup = False
             self.store.add(key(generation, "here"), 1)
             deadline = time.monotonic() + self.timeout
-            while not self.store.check([key(generation, "failed")]):
+            while get_signed(self.store, self.secret, key(generation, "failed")) is None:
                 if self.store.add(key(generation, "here"), 0) >= len(members):
                     return generation, members
                 if time.monotonic() > deadline:
@@ -270,10 +289,3 @@ class Membership:
         with contextlib.suppress(Exception):
             self.store.set(f"left/{self.id}", "1")
         self._beat_store.close()  # watched until here: a heartbeat stuck in a partition ends it
-
-
-def _here() -> str:
-    """`` on node 1 (host NAME)``: where this worker runs, in a job across hosts."""
-    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
-        return ""
-    return f" on node {os.environ.get('GROUP_RANK', '?')} (host {socket.gethostname()})"

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ..comm.membership import WatchedStore, clock, key, open_store
 from ..comm.rendezvous import choose_interface
+from ..comm.store import ForeignJob, get_signed
 from .elastic import HANG_SECONDS, _host_store, _Supervisor, script_starter
 from .env import worker_env
 from .spawn import WorkerError
@@ -72,15 +73,18 @@ class _NodeSupervisor(_Supervisor):
         addr: str,
         port: int,
         timeout: float,
+        secret: str | None = None,
     ):
         world = nproc * nnodes
-        self._setup(start, world, max_restarts, min(HANG_SECONDS, timeout), addr, timeout)
+        hang = min(HANG_SECONDS, timeout)
+        self._setup(start, world, max_restarts, hang, addr, timeout, secret)
         self.nproc, self.nnodes, self.node, self.port = nproc, nnodes, node, port
         self.coordinator = node == 0
         if self.coordinator:
-            self.store = _host_store(addr, port, timeout)
-        else:
-            self.store = WatchedStore(open_store(addr, port, timeout), timeout, self._cut_off)
+            self.store = _host_store(addr, port, timeout, self.secret)
+        else:  # refused at once if node 0's store is another job's, or has another secret
+            store = open_store(addr, port, timeout, self.secret)
+            self.store = WatchedStore(store, timeout, self._cut_off)
         self.local_rank: dict[int, int] = {}
         self.local_new: set[int] = set()  # this node's replacements
         self.seen = 0  # notices read (node 0)
@@ -134,13 +138,18 @@ class _NodeSupervisor(_Supervisor):
         return bool(self.store.check([f"lost/{wid}"]))
 
     def _start(self, wid: int, joining: bool) -> None:
-        env = {**os.environ, **worker_env(wid, self.workers, self.addr, self.port)}
-        env |= {
-            "LOCAL_RANK": str(self.local_rank[wid]),
-            "LOCAL_WORLD_SIZE": str(self.nproc),
-            "GROUP_RANK": str(self.node),
-            "GROUP_WORLD_SIZE": str(self.nnodes),
-        }
+        place = worker_env(
+            wid,
+            self.workers,
+            self.addr,
+            self.port,
+            local_rank=self.local_rank[wid],
+            local_world_size=self.nproc,
+            group_rank=self.node,
+            group_world_size=self.nnodes,
+            secret=self.secret_text,
+        )
+        env = {**os.environ, **place}
         self.procs[wid] = self.start_worker(wid, joining, env)
 
     def _active(self) -> bool:
@@ -195,9 +204,10 @@ class _NodeSupervisor(_Supervisor):
         """Stop this node's replacements that the finished members will never take in."""
         for wid in sorted(self.local_new & set(self.procs)):
             formed = False
-            if self.store.check([f"join/{wid}"]):
-                g = int(self.store.get(f"join/{wid}"))
-                members = json.loads(self.store.get(key(g, "members")))
+            joined = get_signed(self.store, self.secret, f"join/{wid}")
+            if joined is not None:
+                g = int(joined)
+                members = json.loads(get_signed(self.store, self.secret, key(g, "members")) or "[]")
                 formed = self.store.add(key(g, "here"), 0) >= len(members)
             if not formed:
                 self.procs.pop(wid).kill()
@@ -295,18 +305,22 @@ def run_script_nodes(
     port: int,
     max_restarts: int = 0,
     timeout: float = 60.0,
+    secret: str | None = None,
 ) -> int:
     """One node of ``towers run --elastic --nnodes M``: supervise this node's ``nproc`` workers.
 
-    Returns 0 when every worker of this node that was not lost has exited 0 (on node 0: and
-    every other node is done), else the failed worker's exit code, or 1 if the store is lost.
+    ``secret`` is the job's, the same on every node (``TOWERS_SECRET``, ``--secret-file``); a
+    node whose secret differs from node 0's is refused at once. Returns 0 when every worker of
+    this node that was not lost has exited 0 (on node 0: and every other node is done), else the
+    failed worker's exit code, or 1 if the store is lost or refused this node.
     """
     choose_interface(addr, "gloo")  # the workers inherit GLOO_SOCKET_IFNAME
     start = script_starter(script, args, nproc)
     where = f"node {node_rank}"
     sup: _NodeSupervisor | None = None
+    place = (nproc, nnodes, node_rank, max_restarts, addr, port, timeout, secret)
     try:
-        sup = _NodeSupervisor(start, nproc, nnodes, node_rank, max_restarts, addr, port, timeout)
+        sup = _NodeSupervisor(start, *place)
         outcome = sup.run(until_all=True)
     except NodeDropped as exc:
         print(f"towers run ({where}): {exc}", file=sys.stderr)
@@ -318,6 +332,9 @@ def run_script_nodes(
         print(f"towers run ({where}): {exc}", file=sys.stderr)
         code = exc.exitcode or 1
         return code if code > 0 else 128 - code
+    except (ForeignJob, TimeoutError) as exc:  # node 0's store is not this job's
+        print(f"towers run ({where}): {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:  # node 0 cannot listen on addr:port
         print(
             f"towers run ({where}): cannot host the job's store on {addr}:{port}: {exc}",

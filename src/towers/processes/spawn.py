@@ -1,8 +1,9 @@
 """``towers.spawn``: run a function in local worker processes, with clean failure.
 
-Workers get the torchrun environment (:mod:`towers.processes.env`) and report their result or
-their exception through a pipe; a worker that dies is named with its exit code or signal, and no
-process is left behind whatever happens. Rendezvous binds 127.0.0.1 unless told otherwise.
+Workers get the torchrun environment (:mod:`towers.processes.env`) with a fresh job secret, and
+report their result or their exception through a pipe; a worker that dies is named with its exit
+code or signal, and no process is left behind whatever happens. Rendezvous binds 127.0.0.1
+unless told otherwise.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.multiprocessing as mp
 from ..comm.hang import PeerHang
 from ..comm.net import DEFAULT_ADDR, free_port
 from ..core.args import check_timeout
+from ..core.secret import new_secret
 from .env import describe_exit, set_worker_threads, worker_env
 from .guard import check_main_guard
 from .lifeline import watch_caller
@@ -122,7 +124,8 @@ def spawn(
     """Run ``fn(*args)`` in ``workers`` local processes and return their results by rank.
 
     Each worker gets the torchrun environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and ``cores // workers`` threads, so
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), the job's fresh secret
+    (``TOWERS_SECRET``, which signs its messages) and ``cores // workers`` threads, so
     ``fn`` can call :func:`towers.init`. ``fn`` and ``args`` are pickled: ``fn`` must be defined
     at module level, and the calling script needs an ``if __name__ == "__main__":`` guard.
 
@@ -159,6 +162,7 @@ def spawn(
     timeout = check_timeout(timeout)
     check_main_guard("towers.spawn()")
     port = free_port(addr) if port is None else port
+    secret = new_secret()  # the job's, in each worker's environment: signs its messages
     ctx = _context()
     packed = pack((fn, args))  # one shared buffer for every tensor, see processes/pack.py
     oom = OomWatch()
@@ -166,7 +170,7 @@ def spawn(
     try:
         for rank in range(workers):
             recv, send = ctx.Pipe(duplex=False)
-            env = {**os.environ, **worker_env(rank, workers, addr, port)}
+            env = {**os.environ, **worker_env(rank, workers, addr, port, secret=secret)}
             # Not daemonic: a worker may start processes of its own (DataLoader's num_workers),
             # which multiprocessing refuses to a daemon; the finally below stops every worker.
             p = ctx.Process(target=_worker_main, args=(env, send, packed), daemon=False)

@@ -20,6 +20,7 @@ import torch
 from ...comm.elastic import ElasticConnection
 from ...comm.group import Connection
 from ...core.data import BatchOrder, is_dataset, num_samples
+from ...core.launch import read_launch
 from ...core.split import split
 from ...core.step import StepResult
 from .. import checkpoint
@@ -253,7 +254,7 @@ def sync_loop(job: Job, conn: Connection, resume: dict[str, Any] | None) -> Engi
 
 def elastic_loop(job: Job, resume: dict[str, Any] | None, joining: bool) -> EngineResult:
     """Train ``job`` as one elastic worker; every worker returns the (identical) result."""
-    conn = ElasticConnection(job.transport or "auto", job.timeout, joining)
+    conn = ElasticConnection(read_launch(), job.transport or "auto", job.timeout, joining)
     group = ElasticGroup(conn)
     try:
         run = _Run(job, group, conn.id, resume)
