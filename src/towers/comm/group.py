@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..core.launch import Launch
 from ..core.messages import first_line
 from ..core.secret import JobSecret
-from .base import Comm, DistComm, LocalComm
+from .base import DEFAULT_TIMEOUT, Comm, DistComm, LocalComm
 from .net import is_loopback
 from .rendezvous import choose_interface, join
 from .shm import ShmComm, ShmUnavailable
@@ -40,9 +40,6 @@ __all__ = [
     "init_process_group",
 ]
 
-# How long a rank waits for the others (rendezvous, or any collective) before the job fails:
-# a dead or stuck worker ends the job within this bound instead of hanging it.
-DEFAULT_TIMEOUT = 60.0
 TRANSPORTS = ("auto", "shm", "gloo", "nccl")
 
 
