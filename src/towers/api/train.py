@@ -45,6 +45,7 @@ from ..processes.elastic import HANG_SECONDS, supervise
 from ..processes.guard import check_main_guard
 from ..processes.lifeline import Terminated, sigterm_interrupts, stopped_line
 from ..processes.spawn import spawn
+from .epochs import announce_epochs
 from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
 from .options import check_options, preflight_eval, refuse_loader
 from .result import TrainResult
@@ -227,6 +228,7 @@ def train(
     launched = launched_env()
     parsed = _mode(mode, launched)
     workers = _workers(parsed, workers, launched)
+    announce_epochs(parsed, epochs, n, batch_size, workers)  # what epochs= means in async modes
     check_sync_batchnorm(sync_batchnorm, model, parsed, workers, n, batch_size, accumulate)
     if not launched and (workers > 1 or parsed.name != "sync" or max_restarts):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
