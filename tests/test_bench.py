@@ -10,7 +10,7 @@ import pytest
 
 from towers.tools.cli import main
 from towers.tools.load import busy
-from towers.tools.startup import measure, table
+from towers.tools.startup import first_jobs, measure, table
 
 
 @pytest.mark.timeout(120)
@@ -84,3 +84,16 @@ def test_startup_times_every_kind_of_start():
         assert len(values) == 1 and values[0] > 0, name
     text = "\n".join(table(startup))
     assert "call 1" in text and "towers run" in text
+
+
+@pytest.mark.timeout(300)
+def test_startup_times_a_first_job_beside_mp_spawn_and_ddp():
+    first = first_jobs(workers=2, repeats=1)
+    assert set(first["runs"]) == {"towers", "ddp"} and len(first["loads"]) == 1
+    for arm, values in first["runs"].items():
+        assert len(values) == 1 and values[0] > 0.5, arm  # a fresh interpreter that imports torch
+    startup = {"workers": 2, "calls": {"spawn": [0.1]}, "import_s": 1.0, "first_job": first}
+    text = "\n".join(table(startup))
+    ratio = first["runs"]["towers"][0] / first["runs"]["ddp"][0]
+    assert "mp.spawn + DDP" in text and f"towers / DDP: {ratio:.2f}" in text
+    assert "load average as each repeat started" in text

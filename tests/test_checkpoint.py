@@ -96,7 +96,9 @@ def test_checkpoint_mismatch_is_refused(tmp_path):
 
 def mse_dying_once(model, shard, marker: str, at_call: int):
     """Rank 1 kills itself at its ``at_call``-th loss, the first time only."""
-    mse_dying_once.calls = getattr(mse_dying_once, "calls", 0) + 1
+    # counted in rank 1 only: a worker forked from the caller starts with the caller's count
+    if os.environ.get("RANK") == "1":
+        mse_dying_once.calls = getattr(mse_dying_once, "calls", 0) + 1
     if os.environ.get("RANK") == "1" and mse_dying_once.calls == at_call:
         path = Path(marker)
         if not path.exists():

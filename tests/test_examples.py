@@ -191,3 +191,28 @@ def test_mnist_style_port_and_the_plain_script_test_every_epoch(tmp_path: Path) 
         epochs = [line for line in out.splitlines() if line.startswith("epoch ")]
         assert [line.split(":")[0] for line in epochs] == ["epoch 1", "epoch 2"]
         assert "of 360" in epochs[-1] and "ok: test accuracy" in out
+
+
+@pytest.mark.timeout(100)
+def test_char_gpt_under_towers_run_equals_one_process(tmp_path: Path) -> None:
+    args = ["-m", "towers", "run", str(EXAMPLES / "char_gpt.py"), "-n", "2"]
+    result = run([sys.executable, *args], tmp_path, timeout=90)
+    assert result.returncode == 0, result.stdout
+    assert "[rank0]: OK: 40 steps on 2 ranks x 2 micro-batches equal one process" in result.stdout
+    losses = [float(line.split("loss ")[1].split(",")[0]) for line in result.stdout.splitlines()
+              if "step " in line and ": loss " in line]  # fmt: skip
+    assert len(losses) == 2 and losses[1] < losses[0]  # it learns
+
+
+@pytest.mark.timeout(100)
+def test_char_gpt_under_torchrun_and_its_check_can_fail(tmp_path: Path) -> None:
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    launcher += ["--master-port", str(free_port()), str(EXAMPLES / "char_gpt.py")]
+    result = run([sys.executable, *launcher], tmp_path, timeout=90)
+    assert result.returncode == 0, result.stdout
+    assert "OK: 40 steps on 2 ranks x 2 micro-batches equal one process" in result.stdout
+    # parameters agree to float tolerance, not bit for bit: a tolerance of 1e-12 must fail
+    strict = ["-m", "towers", "run", str(EXAMPLES / "char_gpt.py"), "-n", "2", "--"]
+    strict += ["--steps", "6", "--eval-every", "3", "--rtol", "1e-12"]
+    failed = run([sys.executable, *strict], tmp_path, timeout=90)
+    assert failed.returncode == 1 and "FAIL: " in failed.stdout, failed.stdout

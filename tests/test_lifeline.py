@@ -59,12 +59,18 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(120)
-def test_workers_server_and_forkserver_die_with_a_killed_caller(tmp_path):
+@pytest.mark.parametrize("method", ["auto", "forkserver"])
+def test_workers_server_and_forkserver_die_with_a_killed_caller(tmp_path, monkeypatch, method):
+    # auto: workers forked from the caller; forkserver: as where the caller has used CUDA
+    monkeypatch.setenv("TOWERS_START_METHOD", method)
     for mode, sig in (("sync", signal.SIGKILL), ("async", signal.SIGTERM)):
         directory = tmp_path / f"{mode}-{sig.name}"
         args = [sys.executable, str(SCRIPT), "train", mode, str(directory)]
         proc, children = start(args, directory / "step-*.pt")
-        assert len(children) >= 3, children  # the workers (and server), forkserver, tracker
+        if method == "forkserver":
+            assert len(children) >= 3, children  # the workers (and server), forkserver, tracker
+        else:
+            assert len(children) >= (2 if mode == "sync" else 3), children  # forked workers
         os.kill(proc.pid, sig)
         _, err = proc.communicate(timeout=30)
         assert_all_gone(children)

@@ -193,7 +193,7 @@ def test_towers_run_mode_sets_the_mode_of_train(tmp_path):
     base = [sys.executable, "-m", "towers", "run", str(script), "-n", "2"]
     sync = subprocess.run(base, env=env, capture_output=True, text=True, timeout=80)
     assert sync.returncode == 0, sync.stderr
-    assert sync.stdout.split("\n")[0] == "rank 0 sync 2 0"
+    assert sync.stdout.split("\n")[0] == "[rank0]: rank 0 sync 2 0"  # each line names its rank
     # --mode async: three processes, rank 0 the parameter server; every rank gets the result
     run_async = subprocess.run(
         [*base, "--mode", "async"], env=env, capture_output=True, text=True, timeout=80
@@ -201,7 +201,7 @@ def test_towers_run_mode_sets_the_mode_of_train(tmp_path):
     assert run_async.returncode == 0, run_async.stderr
     assert "rank 0 is the parameter server" in run_async.stderr
     lines = sorted(run_async.stdout.splitlines())
-    assert lines == [f"rank {r} async 2 20" for r in range(3)]  # 10 batches x 2 shards
+    assert lines == [f"[rank{r}]: rank {r} async 2 20" for r in range(3)]  # 10 batches x 2 shards
 
 
 @pytest.mark.timeout(60)

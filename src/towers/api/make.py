@@ -21,6 +21,7 @@ from ..engines.checkpoint import estimate_bytes
 from ..engines.job import Job, default_optimizer
 from ..engines.transforms import check_transform, compression
 from ..processes.guard import check_main_guard
+from .epochs import announce_epochs
 from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
 from .options import check_options, preflight_eval, refuse_loader
 from .validate import (
@@ -87,6 +88,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     workers = launched_workers(mode, args["workers"], launch)
     check_workers(mode, workers, launched)
     batch_size, accumulate = args["batch_size"], args["accumulate"]
+    announce_epochs(mode, args["epochs"], n, batch_size, workers, launch.rank)
     check_sync_batchnorm(args["sync_batchnorm"], model, mode, workers, n, batch_size, accumulate)
     if not launched and (workers > 1 or mode.servers or args["max_restarts"]):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted

@@ -1,9 +1,11 @@
 """Refuse to start workers from a script that would start them again in every worker.
 
-Local workers are started the way ``multiprocessing`` starts them with ``forkserver`` or
-``spawn``: each worker runs the main script again, as the module ``__mp_main__``, so that the
-functions it defines can be found. A script that calls ``towers.train`` or ``towers.spawn`` at
-its top level, not under ``if __name__ == "__main__":``, would call it again in every worker;
+Where local workers come from a fork server (the caller has used CUDA, elastic jobs,
+``TOWERS_START_METHOD=forkserver``; see :mod:`towers.processes.start`), ``multiprocessing``
+runs the main script again in each, as the module ``__mp_main__``, so that the functions it
+defines can be found; workers forked from the caller do not, but a script must run either way.
+A script that calls ``towers.train`` or ``towers.spawn`` at its top level, not under
+``if __name__ == "__main__":``, would call it again in every such worker;
 multiprocessing then fails deep inside the workers (142 lines ending in an exit code, without a
 hint). :func:`check_main_guard` finds the call in the caller, before any worker starts: it looks
 for the main script's top-level frame on the stack and asks the script's syntax tree whether the

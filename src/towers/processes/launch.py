@@ -7,12 +7,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ..comm.net import DEFAULT_ADDR, free_port
 from ..core.secret import new_secret
 from .env import cpu_count, describe_exit, worker_env
 from .lifeline import Terminated, die_with_parent
+from .output import RankOutput
 
 __all__ = ["run_script"]
 
@@ -30,13 +31,16 @@ def run_script(
     port: int | None = None,
     failure_grace: float = 5.0,
     secret: str | None = None,
+    show_ranks: Collection[int] | None = None,
 ) -> int:
     """Run ``python SCRIPT ARGS`` as ``workers`` ranks; return 0, or the first failure's code.
 
     When one rank fails the others get ``failure_grace`` seconds, then are terminated. Ranks
     die with ``towers run`` however it dies (``PR_SET_PDEATHSIG``); on Ctrl-C or ``SIGTERM`` it
     stops them and says so in one line. The ranks get the job's ``secret`` (a fresh one by
-    default) in their environment.
+    default) in their environment. The output of the ranks in ``show_ranks`` (default: all) is
+    shown, each line prefixed with its rank when more than one is shown
+    (:mod:`towers.processes.output`).
     """
     if not os.path.isfile(script):
         raise FileNotFoundError(f"no such script: {script}")
@@ -44,6 +48,7 @@ def run_script(
     secret = new_secret() if secret is None else secret
     threads = str(max(1, cpu_count() // workers))
     procs: list[subprocess.Popen[bytes]] = []
+    output = RankOutput(workers, show_ranks)
 
     def stop(*_: object) -> None:
         for p in procs:
@@ -60,13 +65,21 @@ def run_script(
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         for rank in range(workers):
-            env = {**os.environ, **worker_env(rank, workers, addr, port, secret=secret)}
+            env = {
+                **os.environ,
+                **output.env(rank),
+                **worker_env(rank, workers, addr, port, secret=secret),
+            }
             env.setdefault("OMP_NUM_THREADS", threads)
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, script, *args], env=env, preexec_fn=die_with_parent()
+                    [sys.executable, script, *args],
+                    env=env,
+                    preexec_fn=die_with_parent(),
+                    **output.streams(rank),
                 )
             )
+            output.attach(rank, procs[-1])
         failed_at = None
         code = 0
         while True:
@@ -75,6 +88,8 @@ def run_script(
                 if rc not in (None, 0) and failed_at is None:
                     print(
                         f"towers run: rank {rank} failed with {describe_exit(rc)}",
+                        *(f"[rank{rank}]: {line}" for line in output.tail(rank)),
+                        sep="\n",
                         file=sys.stderr,
                     )
                     failed_at, code = time.monotonic(), (rc if rc > 0 else 128 - rc)
@@ -89,4 +104,5 @@ def run_script(
         return 143 if what == "SIGTERM" else 130
     finally:
         stop()
+        output.close()
         signal.signal(signal.SIGTERM, previous)

@@ -3,8 +3,8 @@
 A worker must not outlive the process that started it: a caller killed by ``SIGKILL`` (the OOM
 killer, a scheduler, ``kill -9``) runs no cleanup, and its workers, re-parented to init, would go
 on training and writing checkpoints beside the job that replaces it. ``PR_SET_PDEATHSIG`` is not
-enough here: a worker's parent is multiprocessing's forkserver, which lives on as long as its
-children do (they hold its liveness pipe). So every worker watches the pipe its result goes back
+enough here: a worker's parent may be multiprocessing's forkserver, which lives on as long as
+its children do (they hold its liveness pipe). So every worker watches the pipe its result goes back
 through: when the caller dies, the kernel closes the pipe's read end, ``poll`` reports an error
 on the write end, and the worker kills itself. ``towers run`` starts scripts with
 ``PR_SET_PDEATHSIG``, which suffices there (their parent is ``towers run`` itself).

@@ -47,7 +47,7 @@ from ..core.split import split
 from ..processes.env import cpu_count
 from ..processes.spawn import spawn
 from .load import busy
-from .startup import in_fresh_process
+from .startup import first_jobs, in_fresh_process
 from .zoo import CNN, cross_entropy, mlp
 
 __all__ = ["BenchConfig", "run"]
@@ -308,6 +308,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         if cfg.startup:
             log("start-up: timing first and later calls in a fresh interpreter")
             results["startup"] = in_fresh_process(cfg.workers)
+            log("start-up: a first job with towers.train and with mp.spawn + DDP")
+            results["startup"]["first_job"] = first_jobs(cfg.workers, cfg.repeats)
         return results
 
 

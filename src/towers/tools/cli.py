@@ -9,9 +9,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["main"]
+from .cli_args import DEMO_OUT, build_parser
 
-DEMO_OUT = "towers-demo/loss.png"
+__all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -81,6 +81,13 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     os.environ[MODE] = str(mode)  # read by towers.train in the script
+    if args.show_ranks is not None and (args.elastic or max(args.show_ranks) >= processes):
+        print(
+            f"towers run: --show-ranks takes ranks in 0..{processes - 1}, without --elastic; "
+            f"got {','.join(map(str, args.show_ranks))}",
+            file=sys.stderr,
+        )
+        return 2
     if args.nnodes > 1 and not args.elastic:
         print("towers run: --nnodes > 1 needs --elastic (or use torchrun)", file=sys.stderr)
         return 2
@@ -114,7 +121,13 @@ def _run(args: argparse.Namespace) -> int:
             secret=secret,
         )
     return run_script(
-        args.script, processes, args.script_args, addr=args.addr, port=args.port, secret=secret
+        args.script,
+        processes,
+        args.script_args,
+        addr=args.addr,
+        port=args.port,
+        secret=secret,
+        show_ranks=args.show_ranks,
     )
 
 
@@ -193,178 +206,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser(
-        "bench",
-        help="step times against one process and DDP, and an all-reduce sweep",
-        description="Train the same model on the same global batches in every arm (one process "
-        "with 1 and N threads, N processes without averaging, DDP over Gloo, towers on each "
-        "transport, towers async), interleaved repeats, medians; then time all-reduces of 4 KB "
-        "to 64 MB on each transport next to memcpy. Writes bench.json, bench.txt, sweep.png.",
-    )
-    bench.add_argument("-n", "--workers", type=int, default=2, help="workers (default 2)")
-    bench.add_argument("--models", default=None, help="comma-separated: mlp,cnn (default both)")
-    bench.add_argument("--arms", default=None, help="comma-separated subset of the arms")
-    bench.add_argument("--steps", type=int, default=None, help="timed steps per run (20)")
-    bench.add_argument("--warmup", type=int, default=None, help="untimed steps first (5)")
-    bench.add_argument("--repeats", type=int, default=None, help="interleaved repeats (3)")
-    bench.add_argument(
-        "--buckets", default=None, help="extra towers-shm bucket sizes in MiB (default 1,25)"
-    )
-    bench.add_argument(
-        "--load",
-        type=int,
-        default=None,
-        metavar="K",
-        help="start K CPU-spinning processes beside every arm, as on a busy machine (0)",
-    )
-    bench.add_argument(
-        "--startup",
-        action="store_true",
-        help="also time start-up: towers.train and towers run, first and later calls",
-    )
-    bench.add_argument("--no-sweep", action="store_true", help="skip the all-reduce sweep")
-    bench.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
-    bench.add_argument("--out", default="towers-bench", help="output directory (%(default)s)")
-    bench.set_defaults(func=_bench)
-
-
-def _add_run(sub: argparse._SubParsersAction) -> None:
-    run = sub.add_parser(
-        "run",
-        help="run a script as N local workers (the torchrun environment)",
-        usage="towers run SCRIPT [-n N] [--mode M] [--addr A] [--port P] [--secret-file F] "
-        "[--elastic [--max-restarts R] [--timeout S] [--nnodes M --node-rank R]] -- [ARGS ...]",
-        description="Start N copies of SCRIPT with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
-        "MASTER_PORT set as torchrun sets them; stop them all if one fails. Arguments after -- "
-        "go to the script. Every job gets a secret (TOWERS_SECRET in the workers' environment) "
-        "that signs its messages: a fresh one, or --secret-file / TOWERS_SECRET.",
-    )
-    run.add_argument("script")
-    run.add_argument("-n", "--nproc", type=int, default=2, help="workers (default 2)")
-    run.add_argument(
-        "--mode",
-        default="sync",
-        help="mode for towers.train in the script (default sync); an asynchronous mode adds "
-        "the parameter server as rank 0",
-    )
-    run.add_argument(
-        "--addr",
-        "--master-addr",
-        default="127.0.0.1",
-        help="rendezvous address; the store listens there only (default loopback)",
-    )
-    run.add_argument(
-        "--port", "--master-port", type=int, default=None, help="rendezvous port (default: free)"
-    )
-    run.add_argument(
-        "--secret-file",
-        default=None,
-        metavar="F",
-        help="the job's secret, read from F (mode 600), the same on every node; default: "
-        "TOWERS_SECRET, else a fresh one (one host)",
-    )
-    run.add_argument(
-        "--nnodes",
-        type=int,
-        default=1,
-        help="with --elastic: hosts, one towers run on each, N workers per host (default 1)",
-    )
-    run.add_argument(
-        "--node-rank",
-        type=int,
-        default=0,
-        help="with --nnodes: this host's rank (0 hosts the store)",
-    )
-    run.add_argument(
-        "--elastic",
-        action="store_true",
-        help="own-loop scripts: go on without a worker that dies or hangs (docs/elastic.md)",
-    )
-    run.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="with --elastic: replacements that may join a running job (default 0)",
-    )
-    run.add_argument(
-        "--timeout",
-        type=float,
-        default=60.0,
-        help="with --elastic: seconds without an answer from the job before a host stops "
-        "(default 60)",
-    )
-    run.set_defaults(func=_run)
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="towers", description="Data-parallel training of PyTorch models."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser("demo", help="train the parabola with 1 and N local workers")
-    demo.add_argument("-n", "--workers", type=int, default=4, help="workers (default 4)")
-    demo.add_argument("--steps", type=int, default=1000, help="global batches (default 1000)")
-    demo.add_argument(
-        "--async-steps",
-        type=int,
-        default=200,
-        help="global batches for the asynchronous rows (default 200)",
-    )
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument(
-        "--speed-steps",
-        type=int,
-        default=10,
-        help="global batches of the speed comparison on an MLP; 0 skips it (default 10)",
-    )
-    demo.add_argument(
-        "--out", default=DEMO_OUT, help="PNG of the loss curves (default %(default)s)"
-    )
-    demo.add_argument(
-        "--faults",
-        action="store_true",
-        help="instead: an elastic run that loses a worker midway, against an undisturbed one",
-    )
-    demo.set_defaults(func=_demo)
-
-    cmp = sub.add_parser(
-        "compare",
-        help="train one problem in every mode, with and without a straggler",
-        description="Train the same problem in every mode without and with one slowed tower; "
-        "print mode, updates, final loss, time to a target loss, staleness and updates/s, and "
-        "write a PNG of loss against wall time.",
-    )
-    cmp.add_argument("--problem", choices=["parabola", "digits"], default="parabola")
-    cmp.add_argument("-n", "--workers", type=int, default=4, help="computing towers (default 4)")
-    cmp.add_argument("--steps", type=int, default=None, help="global batches per run")
-    cmp.add_argument(
-        "--modes", default="sync,async,ssp:2,local:4,backup:1", help="comma-separated modes"
-    )
-    cmp.add_argument("--straggler", type=int, default=1, help="the slowed tower (default 1)")
-    cmp.add_argument("--factor", type=float, default=3.0, help="its slowdown (default 3)")
-    cmp.add_argument(
-        "--target", type=float, default=None, help="loss target (default 1.1 x sync's last)"
-    )
-    cmp.add_argument("--seed", type=int, default=0)
-    cmp.add_argument(
-        "--out", default="towers-compare/loss.png", help="PNG path (default %(default)s)"
-    )
-    cmp.set_defaults(func=_compare)
-
-    _add_run(sub)
-    _add_bench(sub)
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     script_args: list[str] = []
     if "--" in argv:  # everything after the first -- belongs to the script of `towers run`
         cut = argv.index("--")
         argv, script_args = argv[:cut], argv[cut + 1 :]
-    parser = _parser()
+    parser = build_parser({"demo": _demo, "compare": _compare, "run": _run, "bench": _bench})
     args, unknown = parser.parse_known_args(argv)
     if args.command != "run" and (unknown or script_args):
         parser.error(f"unrecognized arguments: {' '.join(unknown + script_args)}")

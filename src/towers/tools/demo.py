@@ -4,6 +4,7 @@ a problem big enough for towers to be faster than one process (:mod:`towers.tool
 from __future__ import annotations
 
 import argparse
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -28,9 +29,13 @@ def demo(args: argparse.Namespace) -> int:
     # the demo under a minute on two cores; their table rows say how many.
     runs += [(m, args.workers) for m in ASYNC_DEMO_MODES if args.workers > 1 or m != "backup:1"]
     results: list[TrainResult] = []
+    short = min(args.steps, args.async_steps)
     print(
-        f"towers demo: the parabola y = x^2 (1-5-1 tanh net, 50 points, SGD lr 0.01), "
-        f"{args.steps} steps of the full batch",
+        f"towers demo: the parabola y = x^2 (1-5-1 tanh net, 50 points, SGD lr 0.01); a step is "
+        f"one global batch of all 50 points.\nThe sync rows train {args.steps} steps (--steps), "
+        f"the others {short} (--async-steps): they run one more process, the\nparameter "
+        "server, which answers the towers' shards one at a time, so their steps cost more; "
+        f"{short} steps keep\nthe demo near a minute on two cores.",
         flush=True,
     )
     for mode, workers in runs:
@@ -49,16 +54,7 @@ def demo(args: argparse.Namespace) -> int:
         )
         results.append(result)
 
-    print(
-        f"\n{'mode':<10}{'workers':>8}{'final loss':>14}{'steps':>8}{'seconds':>10}"
-        f"{'updates':>9}{'staleness':>11}{'max':>5}"
-    )
-    for r in results:
-        stale = sum(r.staleness) / len(r.staleness) if r.staleness else 0.0
-        print(
-            f"{r.mode:<10}{r.workers:>8}{r.losses[-1]:>14.6f}{r.steps:>8}{r.seconds:>10.2f}"
-            f"{r.updates:>9}{stale:>11.2f}{max(r.staleness, default=0):>5}"
-        )
+    _table(results)
     base = results[0].losses
     for r in results[1:]:
         if r.mode != "sync":
@@ -78,6 +74,79 @@ def demo(args: argparse.Namespace) -> int:
     path = _plot(results, Path(args.out))
     print(f"\nloss curves: {path}")
     return 0
+
+
+def _table(results: Sequence[TrainResult]) -> None:
+    """The results, then what each column and row means, in the table's own words."""
+    reference = results[-1 if len(results) == 1 else 1].losses  # sync with the most workers
+    print(
+        f"\n{'mode':<10}{'workers':>8}{'final loss':>12}{'steps':>7}{'updates':>9}"
+        f"{'seconds':>9}{'stale avg':>11}{'stale max':>11}{'sync, same step':>17}"
+    )
+    for r in results:
+        stale = sum(r.staleness) / len(r.staleness) if r.staleness else 0.0
+        print(
+            f"{r.mode:<10}{r.workers:>8}{r.losses[-1]:>12.6f}{r.steps:>7}{r.updates:>9}"
+            f"{r.seconds:>9.2f}{stale:>11.2f}{max(r.staleness, default=0):>11}"
+            f"{reference[r.steps - 1]:>17.6f}"
+        )
+    workers = results[-1].workers
+    print(
+        "\n  final loss       the mean loss over all towers at the last step, before its update"
+        "\n  steps            global batches trained on (all 50 points each)"
+        "\n  updates          parameter updates applied: one per step in sync and backup, one "
+        f"per shard (up to {workers} a step)\n                   in async and ssp, each "
+        "worker's own steps in local"
+        "\n  seconds          the training loop's wall time, without starting processes"
+        "\n  stale avg, max   updates applied between a tower reading the parameters and its "
+        "gradient being\n                   applied: the mean and the largest (0 when "
+        "synchronous)"
+        f"\n  sync, same step  the loss of sync, {workers} workers, after as many steps: the fair "
+        "comparison\n                   for the shorter asynchronous rows"
+        "\n\n  sync             one update per step from the gradient averaged over every tower"
+        "\n  async            the server applies each tower's gradient as it arrives, however "
+        "stale"
+        "\n  ssp:2            as async, but no tower runs more than 2 updates ahead of the "
+        "slowest"
+        "\n  local:4          each tower steps alone on its shard; parameters are averaged "
+        "every 4 steps"
+        f"\n  backup:1         synchronous, but each step applies the first {workers - 1} of "
+        f"{workers} shards to arrive"
+    )
+    print("\n" + _why(results, reference))
+
+
+def _why(results: Sequence[TrainResult], reference: Sequence[float]) -> str:
+    """Why the shorter rows end where they do, with their numbers."""
+    one_a_step = [r for r in results if r.mode.split(":")[0] in ("local", "backup")]
+    per_shard = [r for r in results if r.mode.split(":")[0] in ("async", "ssp")]
+    if not one_a_step and not per_shard:
+        return ""
+    sync_steps, short = results[0].steps, (one_a_step or per_shard)[0].steps
+    lines = [
+        f"The rows through the parameter server ran {short} steps, sync {sync_steps}; after "
+        f"{short} steps sync was at {reference[short - 1]:.4f}."
+    ]
+    if one_a_step:
+        names = " and ".join(f"{r.mode} ({r.losses[-1]:.4f})" for r in one_a_step)
+        lines.append(
+            f"{names} end higher than sync's last row: like sync, each of their steps moves "
+            "about one step's worth (local: the towers' small steps averaged; backup: the "
+            "average of the shards that came first)."
+        )
+    if any(r.mode.startswith("backup") for r in one_a_step):
+        lines.append(
+            "backup also leaves out each step's late shard: the points are in order, so a "
+            "dropped shard is a whole stretch of the curve, and the fit lags there."
+        )
+    if per_shard:
+        names = " and ".join(f"{r.mode} ({r.updates} updates)" for r in per_shard)
+        lines.append(
+            f"{names} apply every shard's gradient as an update of its own, several a step, "
+            "so their shorter runs get further."
+        )
+    # indented, as the legend: no line of it may read as a row of the table
+    return textwrap.fill(" ".join(lines), width=98, initial_indent="  ", subsequent_indent="  ")
 
 
 def _plot(results: Sequence[TrainResult], path: Path) -> Path:

@@ -1,9 +1,10 @@
 """How long towers takes to start: ``towers bench --startup``.
 
 Measured in a fresh interpreter (``python -m towers.tools.startup``), so that the first call
-pays what a user's first call pays: importing torch and towers, starting the forkserver that
-later workers fork from, the first rendezvous. Then the same calls again in the same process,
-which is what a notebook or a sweep of runs pays for each later one. For each call:
+pays what a user's first call pays: importing torch and towers (and ``torch._dynamo``, which
+building the first optimizer imports), forking the workers, the first rendezvous. Then the same
+calls again in the same process, which is what a notebook or a sweep of runs pays for each later
+one. For each call:
 
 - ``spawn``: :func:`towers.spawn` of a function that returns at once (2 workers);
 - ``train sync``, ``train async``: a one-step :func:`towers.train` of the parabola net, minus
@@ -11,11 +12,18 @@ which is what a notebook or a sweep of runs pays for each later one. For each ca
   model copy and shut-down;
 - ``towers run``: ``towers run`` of a script that joins the job (``towers.init()``), passes a
   barrier and leaves; each call starts fresh interpreters, as torchrun does.
+
+And the whole of a user's first job, side by side with PyTorch's own way (:func:`first_jobs`):
+the wall time of ``python script.py`` that trains a 1-5-1 net for 2 steps on 2 workers, once
+with ``towers.train`` and once with ``torch.multiprocessing.spawn`` + DDP over Gloo, in
+alternating order, repeated.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,13 +36,67 @@ from ..processes.launch import run_script
 from ..processes.spawn import spawn
 from .zoo import Parabola, parabola_data, parabola_loss
 
-__all__ = ["in_fresh_process", "measure"]
+__all__ = ["first_job_table", "first_jobs", "in_fresh_process", "measure"]
 
 _SCRIPT = """import towers
 ctx = towers.init()
 ctx.barrier()
 ctx.close()
 """
+
+# The same tiny job, as a user would write it with towers and with mp.spawn + DDP.
+_TOWERS_JOB = """import sys
+import torch
+import towers
+
+
+def loss_fn(model, shard):
+    x, y = shard
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+if __name__ == "__main__":
+    workers, steps = int(sys.argv[1]), int(sys.argv[2])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    x = torch.linspace(-2, 2, 50).unsqueeze(1)
+    towers.train(model, loss_fn, (x, x**2), batch_size=50, steps=steps, workers=workers,
+                 progress=False)
+"""
+
+_DDP_JOB = """import os
+import socket
+import sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+
+def work(rank, workers, steps, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+    dist.init_process_group("gloo", rank=rank, world_size=workers)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(1, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    model = DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.linspace(-2, 2, 50).unsqueeze(1).tensor_split(workers)[rank]
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), x**2).backward()
+        opt.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    workers, steps = int(sys.argv[1]), int(sys.argv[2])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(work, args=(workers, steps, port), nprocs=workers)
+"""
+FIRST_JOB_ARMS = {"towers": "towers.train", "ddp": "mp.spawn + DDP"}
 
 
 def _nothing() -> None:
@@ -112,6 +174,57 @@ def table(startup: dict[str, Any]) -> list[str]:
     lines.append(
         "(train: the call's time minus its training loop; towers run: a script that joins the "
         "job and leaves, fresh interpreters every call)"
+    )
+    if "first_job" in startup:
+        lines += ["", *first_job_table(startup["first_job"])]
+    return lines
+
+
+def first_jobs(
+    workers: int = 2, repeats: int = 3, steps: int = 2, timeout: float = 300
+) -> dict[str, Any]:
+    """Wall seconds of a fresh ``python script.py`` training a tiny net for ``steps`` steps on
+    ``workers`` processes, with ``towers.train`` and with ``mp.spawn`` + DDP, ``repeats`` times
+    in alternating order; and the 1-minute load average as each repeat starts."""
+    runs: dict[str, list[float]] = {arm: [] for arm in FIRST_JOB_ARMS}
+    loads = []
+    with tempfile.TemporaryDirectory() as tmp:
+        scripts = {"towers": Path(tmp) / "with_towers.py", "ddp": Path(tmp) / "with_ddp.py"}
+        scripts["towers"].write_text(_TOWERS_JOB)
+        scripts["ddp"].write_text(_DDP_JOB)
+        for rep in range(repeats):
+            loads.append(os.getloadavg()[0])
+            for arm in sorted(runs, reverse=rep % 2 == 1):
+                start = time.perf_counter()
+                proc = subprocess.run(
+                    [sys.executable, str(scripts[arm]), str(workers), str(steps)],
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                    check=False,
+                )
+                runs[arm].append(time.perf_counter() - start)
+                if proc.returncode != 0:
+                    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                    raise RuntimeError(f"the {FIRST_JOB_ARMS[arm]} first job failed: {tail}")
+    return {"workers": workers, "steps": steps, "runs": runs, "loads": loads}
+
+
+def first_job_table(first: dict[str, Any]) -> list[str]:
+    """:func:`first_jobs` as lines of text: medians, each repeat, and the paired ratio."""
+    runs = first["runs"]
+    ratios = [t / d for t, d in zip(runs["towers"], runs["ddp"])]
+    loads = " ".join(f"{v:.2f}" for v in first["loads"])
+    lines = [
+        f"first job in a fresh interpreter: `python script.py` training a 1-5-1 net for "
+        f"{first['steps']} steps on {first['workers']} workers, wall seconds to its exit, "
+        f"median of {len(ratios)} (1-minute load average as each repeat started: {loads})",
+    ]
+    for arm, name in FIRST_JOB_ARMS.items():
+        each = " ".join(f"{v:.2f}" for v in runs[arm])
+        lines.append(f"{name:<16}{statistics.median(runs[arm]):>7.2f}   each: {each}")
+    lines.append(
+        f"towers / DDP: {statistics.median(ratios):.2f} (median of the ratios within a repeat)"
     )
     return lines
 

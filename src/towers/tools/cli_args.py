@@ -1,0 +1,331 @@
+"""What the ``towers`` command accepts: each command's description, options, help and defaults.
+
+The commands themselves are in :mod:`towers.tools.cli`. Every option says its default and, where
+only some values are valid, which; nothing here imports torch, so ``towers --help`` is quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+__all__ = ["BENCH_ARMS", "DEMO_OUT", "build_parser"]
+
+Handler = Callable[[argparse.Namespace], int]
+DEMO_OUT = "towers-demo/loss.png"
+# towers.tools.bench.ARMS, named here without importing torch (tests/test_cli.py checks they agree)
+BENCH_ARMS = (
+    "single-1t",
+    "single-Nt",
+    "floor",
+    "ddp",
+    "towers-gloo",
+    "towers-shm",
+    "towers-async",
+    "towers-nccl",
+    "train-sync",
+    "train-elastic",
+)
+# towers.core.modes.MODES, named likewise
+MODES = ("sync", "async", "ssp:S", "local:K", "backup:B")
+
+
+def _add_bench(sub: argparse._SubParsersAction, handler: Handler) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="step times against one process and DDP, and an all-reduce sweep",
+        description="Train the same model on the same global batches in every arm (one process "
+        "with 1 and N threads, N processes without averaging, DDP over Gloo, towers on each "
+        "transport, towers async), interleaved repeats, medians; then time all-reduces of 4 KB "
+        "to 64 MB on each transport next to memcpy. Writes bench.json, bench.txt, sweep.png.",
+    )
+    bench.add_argument(
+        "-n", "--workers", type=int, default=2, metavar="N", help="workers (default 2)"
+    )
+    bench.add_argument(
+        "--models",
+        default=None,
+        metavar="M[,M...]",
+        help="comma-separated, of mlp and cnn (default: both; '' for none, e.g. with --startup)",
+    )
+    bench.add_argument(
+        "--arms",
+        default=None,
+        metavar="A[,A...]",
+        help=f"comma-separated, of {', '.join(BENCH_ARMS)} (default: all but the train-* arms)",
+    )
+    bench.add_argument(
+        "--steps", type=int, default=None, metavar="S", help="timed steps per run (default 20)"
+    )
+    bench.add_argument(
+        "--warmup", type=int, default=None, metavar="W", help="untimed steps first (default 5)"
+    )
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        metavar="R",
+        help="interleaved repeats, each running every arm once (default 3)",
+    )
+    bench.add_argument(
+        "--buckets",
+        default=None,
+        metavar="MiB[,MiB...]",
+        help="extra towers-shm arms with these bucket sizes in MiB (default 1,25)",
+    )
+    bench.add_argument(
+        "--load",
+        type=int,
+        default=None,
+        metavar="K",
+        help="start K CPU-spinning processes beside every arm, as on a busy machine (default 0)",
+    )
+    bench.add_argument(
+        "--startup",
+        action="store_true",
+        help="also time start-up: towers.train and towers run, first and later calls, and a "
+        "first job in a fresh interpreter beside mp.spawn + DDP (--repeats times)",
+    )
+    bench.add_argument("--no-sweep", action="store_true", help="skip the all-reduce sweep")
+    bench.add_argument(
+        "--quick", action="store_true", help="a smoke run of well under a minute (tiny sizes)"
+    )
+    bench.add_argument(
+        "--out", default="towers-bench", help="output directory (default %(default)s)"
+    )
+    bench.set_defaults(func=handler)
+
+
+def _rank_list(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(int(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ranks such as 0 or 0,2; got {text!r}") from None
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"expected ranks such as 0 or 0,2; got {text!r}")
+    return ranks
+
+
+def _add_run(sub: argparse._SubParsersAction, handler: Handler) -> None:
+    run = sub.add_parser(
+        "run",
+        help="run a script as N local workers (the torchrun environment)",
+        usage="towers run SCRIPT [-n N] [--mode M] [--show-ranks R[,R...]] [--addr A] "
+        "[--port P] [--secret-file F] [--elastic [--max-restarts R] [--timeout S] "
+        "[--nnodes M --node-rank R]] [--] [ARGS ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Start N copies of SCRIPT with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set as torchrun sets them; stop them all if one fails. When more
+than one rank's output is shown, each line starts with its rank: [rank1]: ...
+
+ARGS go to the script. The -- before them is optional: it is needed only when
+one of them is also an option of towers run (such as -n or --mode).
+
+Every job gets a secret (TOWERS_SECRET in the workers' environment) that signs
+its messages: a fresh one, or --secret-file / TOWERS_SECRET.
+
+examples:
+  towers run train.py -n 4 --lr 0.1
+  towers run train.py -n 4 --show-ranks 0 -- --mode fast""",
+    )
+    run.add_argument("script", metavar="SCRIPT", help="the Python script to run in every rank")
+    run.add_argument("-n", "--nproc", type=int, default=2, metavar="N", help="workers (default 2)")
+    run.add_argument(
+        "--mode",
+        default="sync",
+        metavar="M",
+        help=f"mode for towers.train in the script, one of {_modes()} (default sync); an "
+        "asynchronous mode adds the parameter server as rank 0",
+    )
+    run.add_argument(
+        "--show-ranks",
+        type=_rank_list,
+        default=None,
+        metavar="R[,R...]",
+        help="show only these ranks' output (default: every rank's, each line prefixed with "
+        "its rank); --show-ranks 0: rank 0's alone, unprefixed. A hidden rank's last lines of "
+        "standard error are shown if it fails",
+    )
+    run.add_argument(
+        "--addr",
+        "--master-addr",
+        default="127.0.0.1",
+        metavar="A",
+        help="rendezvous address; the store listens there only (default 127.0.0.1: this "
+        "machine only)",
+    )
+    run.add_argument(
+        "--port",
+        "--master-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="rendezvous port (default: a free one)",
+    )
+    run.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="F",
+        help="the job's secret, read from F (mode 600), the same on every node; default: "
+        "TOWERS_SECRET, else a fresh one (one host)",
+    )
+    run.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        metavar="M",
+        help="with --elastic: hosts, one towers run on each, N workers per host (default 1)",
+    )
+    run.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="with --nnodes: this host's rank, 0 hosts the store (default 0)",
+    )
+    run.add_argument(
+        "--elastic",
+        action="store_true",
+        help="own-loop scripts: go on without a worker that dies or hangs (docs/elastic.md)",
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="with --elastic: replacements that may join a running job (default 0)",
+    )
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="with --elastic: seconds without an answer from the job before a host stops "
+        "(default 60)",
+    )
+    run.set_defaults(func=handler)
+
+
+def _modes() -> str:
+    return ", ".join(MODES)
+
+
+def _add_demo(sub: argparse._SubParsersAction, handler: Handler) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="train the parabola with 1 and N local workers, in every mode",
+        description="Fit the parabola y = x^2 (a 1-5-1 tanh net, 50 points, SGD lr 0.01) with "
+        "1 and N workers in sync mode and with N workers in each asynchronous mode; print a "
+        "table that explains its columns and rows and write a PNG of the loss curves. Then time "
+        "a 1.86 M-parameter MLP in one process and with towers, one worker per core.",
+    )
+    demo.add_argument(
+        "-n", "--workers", type=int, default=4, metavar="N", help="workers (default 4)"
+    )
+    demo.add_argument(
+        "--steps",
+        type=int,
+        default=1000,
+        metavar="S",
+        help="global batches of the sync rows (default 1000)",
+    )
+    demo.add_argument(
+        "--async-steps",
+        type=int,
+        default=200,
+        metavar="S",
+        help="global batches of the rows through the parameter server (async, ssp:2, local:4, "
+        "backup:1), at most --steps (default 200)",
+    )
+    demo.add_argument(
+        "--seed", type=int, default=0, help="seeds the initial weights and the batches (default 0)"
+    )
+    demo.add_argument(
+        "--speed-steps",
+        type=int,
+        default=10,
+        metavar="S",
+        help="global batches of the speed comparison on an MLP; 0 skips it (default 10)",
+    )
+    demo.add_argument(
+        "--out", default=DEMO_OUT, help="PNG of the loss curves (default %(default)s)"
+    )
+    demo.add_argument(
+        "--faults",
+        action="store_true",
+        help="instead: an elastic run that loses a worker midway, against an undisturbed one",
+    )
+    demo.set_defaults(func=handler)
+
+
+def _add_compare(sub: argparse._SubParsersAction, handler: Handler) -> None:
+    cmp = sub.add_parser(
+        "compare",
+        help="train one problem in every mode, with and without a straggler",
+        description="Train the same problem in every mode without and with one slowed tower; "
+        "print mode, updates, final loss, time to a target loss, staleness and updates/s, and "
+        "write a PNG of loss against wall time.",
+    )
+    cmp.add_argument(
+        "--problem",
+        choices=["parabola", "digits"],
+        default="parabola",
+        help="parabola: the 1-5-1 net on 50 points; digits: a CNN on scikit-learn's 8x8 digits "
+        "(default parabola)",
+    )
+    cmp.add_argument(
+        "-n", "--workers", type=int, default=4, metavar="N", help="computing towers (default 4)"
+    )
+    cmp.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="S",
+        help="global batches per run (default: 500 for parabola, 300 for digits)",
+    )
+    cmp.add_argument(
+        "--modes",
+        default="sync,async,ssp:2,local:4,backup:1",
+        metavar="M[,M...]",
+        help=f"comma-separated modes, each one of {_modes()} (default %(default)s)",
+    )
+    cmp.add_argument(
+        "--straggler", type=int, default=1, metavar="T", help="the slowed tower (default 1)"
+    )
+    cmp.add_argument(
+        "--factor",
+        type=float,
+        default=3.0,
+        metavar="F",
+        help="the straggler takes F times as long per shard, F >= 1 (default 3)",
+    )
+    cmp.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        metavar="L",
+        help="the loss whose first crossing is timed (default: 1.1 x sync's last loss)",
+    )
+    cmp.add_argument(
+        "--seed", type=int, default=0, help="seeds the initial weights and the batches (default 0)"
+    )
+    cmp.add_argument(
+        "--out", default="towers-compare/loss.png", help="PNG path (default %(default)s)"
+    )
+    cmp.set_defaults(func=handler)
+
+
+def build_parser(handlers: dict[str, Handler]) -> argparse.ArgumentParser:
+    """The ``towers`` parser; each command's ``func`` is its entry in ``handlers``."""
+    parser = argparse.ArgumentParser(
+        prog="towers",
+        description="Data-parallel training of PyTorch models. Each command has its own "
+        "--help (towers run --help).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo(sub, handlers["demo"])
+    _add_compare(sub, handlers["compare"])
+    _add_run(sub, handlers["run"])
+    _add_bench(sub, handlers["bench"])
+    return parser

@@ -1,0 +1,120 @@
+"""The ``towers`` command as a new user meets it: help for everything, and readable output."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from towers.core.modes import MODES
+from towers.tools.bench import ARMS
+from towers.tools.cli_args import BENCH_ARMS, build_parser
+from towers.tools.cli_args import MODES as NAMED_MODES
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser(dict.fromkeys(("demo", "compare", "run", "bench"), lambda a: 0))
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_every_command_and_option_says_what_it_does_and_its_default():
+    commands = _commands()
+    assert set(commands) == {"demo", "compare", "run", "bench"}
+    for name, command in commands.items():
+        assert command.description, f"towers {name} has no description"
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            where = f"towers {name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{where} has no help"
+            if action.option_strings and not isinstance(action, argparse._StoreTrueAction):
+                assert "default" in action.help, f"{where} does not say its default"
+    # the values the help lists are the ones the code accepts
+    assert list(BENCH_ARMS) == ARMS
+    assert [m.split(":")[0] for m in NAMED_MODES] == list(MODES)
+
+
+def test_run_usage_and_options_agree_and_say_that_the_separator_is_optional():
+    text = _commands()["run"].format_help()
+    assert "towers run SCRIPT [-n N]" in text and "-n N, --nproc N" in text
+    assert "The -- before them is optional" in text and "[--] [ARGS ...]" in text
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os
+    import sys
+
+    rank = int(os.environ["RANK"])
+    print(f"hello from {rank} of {os.environ['WORLD_SIZE']}, args {sys.argv[1:]}")
+    print(f"warning on {rank}", file=sys.stderr)
+    print(f"[rank{rank}]: named already, as PyTorch names a rank's traceback", file=sys.stderr)
+    sys.stdout.write("no newline at the end")
+    if "--fail" in sys.argv and rank == 1:
+        print("rank 1 cannot go on", file=sys.stderr)
+        sys.exit(3)
+    """
+)
+
+
+def towers_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "hello.py"
+    script.write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "towers", "run", str(script), *args]
+    env = {**os.environ, "PYTHONPATH": SRC}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_towers_run_prefixes_every_line_with_its_rank(tmp_path):
+    done = towers_run(tmp_path, "-n", "2", "--x", "1")  # no --: --x is not an option of run
+    assert done.returncode == 0, done.stderr
+    for rank in range(2):
+        assert f"[rank{rank}]: hello from {rank} of 2, args ['--x', '1']\n" in done.stdout
+        assert f"[rank{rank}]: no newline at the end\n" in done.stdout
+        assert f"[rank{rank}]: warning on {rank}\n" in done.stderr
+        assert f"\n[rank{rank}]: named already, as PyTorch" in done.stderr  # not twice
+    assert all(line.startswith(("[rank0]: ", "[rank1]: ")) for line in done.stdout.splitlines())
+    alone = towers_run(tmp_path, "-n", "1")  # one rank: its output as it is
+    assert alone.stdout == "hello from 0 of 1, args []\nno newline at the end"
+
+
+@pytest.mark.timeout(60)
+def test_towers_run_shows_only_the_ranks_asked_for(tmp_path):
+    done = towers_run(tmp_path, "-n", "3", "--show-ranks", "0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "hello from 0 of 3, args []\nno newline at the end"
+    assert "warning on 0" in done.stderr and "on 1" not in done.stderr
+    two = towers_run(tmp_path, "-n", "3", "--show-ranks", "0,2")
+    assert "[rank2]: hello from 2 of 3" in two.stdout and "from 1" not in two.stdout
+    # a hidden rank that fails still tells why
+    failed = towers_run(tmp_path, "-n", "2", "--show-ranks", "0", "--", "--fail")
+    assert failed.returncode == 3
+    assert "towers run: rank 1 failed with exit code 3\n" in failed.stderr
+    assert "[rank1]: rank 1 cannot go on" in failed.stderr
+    wrong = towers_run(tmp_path, "-n", "2", "--show-ranks", "2")
+    assert wrong.returncode == 2 and "--show-ranks takes ranks in 0..1" in wrong.stderr
+
+
+@pytest.mark.timeout(150)
+def test_demo_explains_its_columns_rows_and_shorter_runs(tmp_path):
+    cmd = [sys.executable, "-m", "towers", "demo", "-n", "2", "--steps", "60"]
+    cmd += ["--async-steps", "20", "--speed-steps", "0", "--out", str(tmp_path / "c.png")]
+    env = {**os.environ, "PYTHONPATH": SRC}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=140).stdout
+    header = next(line for line in out.splitlines() if line.startswith("mode"))
+    assert header.count("max") == header.count("stale max") == 1  # no bare "max" column
+    for column in ("final loss", "steps", "updates", "seconds", "stale avg", "sync, same step"):
+        assert column in header and f"\n  {column}" in out, column
+    for row in ("sync", "async", "ssp:2", "local:4", "backup:1"):
+        assert f"\n  {row} " in out, row  # each row's meaning
+    assert "The sync rows train 60 steps (--steps), the others 20 (--async-steps)" in out
+    assert "ran 20 steps, sync 60; after 20 steps sync was at" in " ".join(out.split())
