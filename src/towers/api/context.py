@@ -25,6 +25,7 @@ f(ctx.steps))``) if replacements may join.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -37,13 +38,16 @@ from ..comm.base import Comm
 from ..core.agree import BatchStamp, fingerprint, mean_vector, weighted_means
 from ..core.split import batch_size, map_batch, split
 from ..core.step import StepResult
-from ..engines import checkpoint
-from ..engines.replica import check_loss, cpu_state
+from ..engines.job import OptimizerFactory
+from ..engines.replica import Replica, check_loss
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.gradsync import DEFAULT_BUCKET_BYTES
 from ..engines.sync.group import Group
+from ..engines.sync.mode import plan_for
+from ..engines.sync.plan import EveryStep, StepPlan
 from ..engines.syncbn import convert_batchnorm
 from ..engines.transforms import GradientTransform
+from .loop_files import load_loop, save_loop
 from .make import reduction
 from .mistakes import (
     BACKWARD_TWICE,
@@ -51,6 +55,7 @@ from .mistakes import (
     refuse_wrapped_model,
     warn_unsynced_buffers,
 )
+from .validate import averages_buffers, check_mode_options, loop_mode
 
 __all__ = ["Context"]
 
@@ -71,6 +76,7 @@ class Context:
         self.device = group.device
         self.steps = 0
         self._driver = SyncDriver(group, owner=self)
+        self._plan: StepPlan = EveryStep()  # what a step does: the mode's (see replicate)
         self._shard_samples: int | None = None
         self._batch: tuple[int, int] | None = None  # the last global batch's size, fingerprint
         self._accumulated = False  # accumulate() ran since the last step
@@ -102,19 +108,21 @@ class Context:
     # -- the state an elastic group keeps consistent ---------------------------------------
 
     def progress(self) -> int:
-        return -1 if self._newcomer else self.steps
+        return -1 if self._newcomer else self._plan.progress(self.steps)
+
+    def _replica(self) -> Replica:
+        assert self._driver.model is not None
+        return Replica(self._driver.model, self._opt)
 
     def snapshot(self) -> dict[str, Any]:
-        model = self._driver.model
-        assert model is not None
-        opt = self._opt.state_dict() if self._opt is not None else None
         last = dataclasses.asdict(self._last) if self._last else None
-        return {"steps": self.steps, "model": model.state_dict(), "opt": opt, "last": last}
+        plan = self._plan.snapshot(self._replica())
+        return {"steps": self._plan.progress(self.steps), "plan": plan, "last": last}
 
     def adopt(self, state: dict[str, Any]) -> None:
-        assert self._driver.model is not None
-        self._driver.model.load_state_dict(state["model"])
-        self._pending_opt = state["opt"]
+        self._plan.adopt(state["plan"], self._replica(), self._newcomer)
+        if self._opt is None:  # the optimizer a peer's state holds, for the first ctx.step
+            self._pending_opt = state["plan"].get("optimizer")
         self._last = StepResult(**state["last"]) if state["last"] else None
         if self._newcomer:
             self._catch_up = state["steps"]
@@ -122,7 +130,10 @@ class Context:
         self.steps = state["steps"]
 
     def regrouped(self) -> None:
-        pass
+        self._plan.regrouped(self._replica().model)
+
+    def shared(self) -> nn.Module:
+        return self._plan.shared(self._replica().model)
 
     # -- the model and the data ------------------------------------------------------------
 
@@ -134,6 +145,8 @@ class Context:
         sync_batchnorm: bool = False,
         transform: GradientTransform | None = None,
         compress: str | None = None,
+        mode: str = "sync",
+        outer_optimizer: OptimizerFactory | None = None,
     ) -> nn.Module:
         """Give every rank rank 0's parameters and buffers, and attach the averaging hooks.
 
@@ -153,6 +166,11 @@ class Context:
                 :mod:`towers.transforms`); default: a plain sum. Every rank passes the same.
             compress: a compression by name, as ``towers.train``'s (``"bf16"``, ``"fp16"``,
                 ``"int8"``, ``"powersgd:R"``); not with ``transform``.
+            mode: ``"sync"``, or ``"diloco:H"`` (and its ``:overlap`` forms, docs/diloco.md):
+                each :meth:`step` is then an inner step of this tower alone, and every H-th
+                also the outer step over all towers; call :meth:`end_period` after the loop.
+            outer_optimizer: ``"diloco:H"``: ``params -> Optimizer`` for the outer steps;
+                default Nesterov SGD with lr 0.7 and momentum 0.9.
 
         Returns:
             ``model`` itself, moved to :attr:`device`.
@@ -160,13 +178,17 @@ class Context:
         if not isinstance(model, nn.Module):
             raise TypeError(f"replicate() needs an nn.Module, got {type(model).__name__}")
         refuse_wrapped_model(model, "ctx.replicate()")
+        parsed = loop_mode(mode)
+        check_mode_options(parsed, model, sync_batchnorm, self._group.elastic, outer_optimizer)
         if sync_batchnorm:
             convert_batchnorm(model, self._group)
-        elif self.world_size > 1:
+        elif self.world_size > 1 and not averages_buffers(parsed):
             warn_unsynced_buffers(model, "ctx.replicate(model, sync_batchnorm=True)")
         transform = reduction(transform, compress, model)
+        self._plan = plan_for(parsed, outer_optimizer)
         self._driver = SyncDriver(self._group, transform, owner=self)
-        return self._driver.replicate(model, bucket_bytes)
+        breaks = self._plan.attach(model.to(self.device))
+        return self._driver.replicate(model, bucket_bytes, breaks)
 
     def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         """This tower's shard of each global batch (see :func:`towers.split`), on :attr:`device`.
@@ -248,7 +270,7 @@ class Context:
             self._backward(loss, weight)
 
         def one() -> StepResult:
-            result = self._driver.step(backward, stamp=stamp, optimizer=optimizer)
+            result = self._plan.step(self._driver, backward, optimizer, self.steps, stamp=stamp)
             self.steps += 1
             self._last = result
             return result
@@ -259,12 +281,32 @@ class Context:
         finally:
             self._shard_samples, self._batch, self._accumulated = None, None, False
         if result is not None:
-            return result
+            outer = self._exchange(final=False)
+            return result if outer is None else outer
         self._driver.zero_grad()
         if self.steps > before and self._last is not None:  # a peer had completed it
             return self._last
         self._redo = True
         return StepResult(math.nan, [], [], skipped=True, redo=True)
+
+    def _exchange(self, final: bool) -> StepResult | None:
+        """The exchange the mode owes now, if any (DiLoCo's outer step), redone until done."""
+        outer = None
+        while self._plan.owes(self.steps, self.steps if final else None):
+            stamp = BatchStamp(self.world_size).pack(self.rank, self.steps, None, None)
+            run = functools.partial(self._plan.exchange, self._driver, self.steps, final=final)
+            outer = self._group.attempt(self._driver, functools.partial(run, stamp=stamp)) or outer
+        self._plan.results()  # the own loop keeps no record of each global batch's loss
+        return outer
+
+    def end_period(self) -> StepResult | None:
+        """``"diloco:H"``: exchange and take the outer step now, whatever is left of the period
+        (an overlapped exchange included); every rank calls it, once its loop is done.
+
+        Afterwards the model holds the outer parameters on every rank. Returns the last outer
+        step's result (``None`` in sync mode, or if nothing was left to exchange).
+        """
+        return self._exchange(final=True)
 
     def backward(self, loss: torch.Tensor | None, samples: int | None = None) -> StepResult:
         """Backward ``loss`` and leave the global batch's gradient in every ``.grad``.
@@ -293,6 +335,11 @@ class Context:
             raise ValueError(
                 "ctx.backward() is not available under towers run --elastic (a step interrupted "
                 "by a lost worker must be redone inside ctx.step); use ctx.step(loss, optimizer)"
+            )
+        if not isinstance(self._plan, EveryStep):
+            raise ValueError(
+                "ctx.backward() leaves every step's averaged gradients in .grad, but in DiLoCo "
+                "each tower steps alone between outer steps: use ctx.step(loss, optimizer)"
             )
         return self._run_step(loss, samples, None)
 
@@ -353,19 +400,9 @@ class Context:
         and ``extra`` (tensors and plain values only); the two newest checkpoints are kept. A
         write that fails (a full disk) warns and training goes on: the state is still in memory.
         """
-        rng = self.comm.all_gather_object(torch.get_rng_state())
-        transform = self._driver.gather() if self._driver.sync is not None else None
-        if not self.is_main:
-            return
-        payload = {
-            "model": cpu_state(model),
-            "optimizer": optimizer.state_dict(),
-            "schedule": schedule.state_dict() if schedule is not None else None,
-            "rng": rng,
-            "transform": transform,
-            "extra": extra or {},
-        }
-        checkpoint.save_or_warn(directory, step, "loop", payload)
+        save_loop(
+            directory, step, self._driver, self._plan, Replica(model, optimizer, schedule), extra
+        )
 
     def load_checkpoint(
         self,
@@ -383,18 +420,12 @@ class Context:
         Raises:
             ValueError: if ``directory`` holds checkpoints of ``towers.train``, not of a loop.
         """
-        state = checkpoint.load_latest(directory, "loop")
-        if state is None:
+        replica = Replica(model, optimizer, schedule)
+        loaded = load_loop(directory, self._driver, self._plan, replica)
+        if loaded is None:
             return 0, {}
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if schedule is not None and state["schedule"] is not None:
-            schedule.load_state_dict(state["schedule"])
-        if len(state["rng"]) == self.world_size:
-            torch.set_rng_state(state["rng"][self.rank])
-        if state.get("transform") is not None and self._driver.sync is not None:
-            self._driver.load_state(state["transform"])
-        return state["step"], state["extra"]
+        self.steps = loaded[0]  # where the mode's periods continue
+        return loaded
 
     def barrier(self) -> None:
         self.comm.barrier()
