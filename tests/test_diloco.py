@@ -516,3 +516,44 @@ def test_fragments_cut_the_model_in_contiguous_parts_of_about_equal_size():
     assert fragments_of([1, 1, 100], 3) == [range(0, 1), range(1, 2), range(2, 3)]
     with pytest.raises(ValueError, match="use at most 3 fragments"):
         fragments_of([1, 1, 1], 4)
+
+
+# -- reporting and the tools -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_tensorboard_gets_one_loss_per_global_batch(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    got = run("diloco:4:overlap", 10, log_dir=str(tmp_path))
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("loss/mean")}
+    assert logged == pytest.approx(dict(enumerate(got.losses)), rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_compare_has_diloco_rows(tmp_path, capsys):
+    from towers.tools.cli import main
+
+    modes = "diloco:4,diloco:4:overlap:2"
+    argv = [
+        "compare",
+        "-n",
+        "2",
+        "--steps",
+        "8",
+        "--modes",
+        modes,
+        "--out",
+        str(tmp_path / "c.png"),
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("diloco")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("diloco:4", "-", "8"),
+        ("diloco:4", "3x", "8"),
+        ("diloco:4:overlap:2", "-", "8"),
+        ("diloco:4:overlap:2", "3x", "8"),
+    ]

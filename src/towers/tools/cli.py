@@ -280,7 +280,9 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("-n", "--workers", type=int, default=4, help="computing towers (default 4)")
     cmp.add_argument("--steps", type=int, default=None, help="global batches per run")
     cmp.add_argument(
-        "--modes", default="sync,async,ssp:2,local:4,backup:1", help="comma-separated modes"
+        "--modes",
+        default="sync,async,ssp:2,local:4,backup:1,diloco:4",
+        help="comma-separated modes",
     )
     cmp.add_argument("--straggler", type=int, default=1, help="the slowed tower (default 1)")
     cmp.add_argument("--factor", type=float, default=3.0, help="its slowdown (default 3)")

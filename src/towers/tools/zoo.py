@@ -7,7 +7,8 @@ train, defined once.
 - :class:`CNN`: the shape of TensorFlow's CIFAR-10 multi-GPU trainer (seed 001), two
   conv-relu-pool blocks, two relu fully connected layers and a classifier, sized by a
   :class:`Shape`: :data:`DIGITS` for scikit-learn's 8x8 digits, :data:`CIFAR` for 3x32x32 images.
-- :func:`mlp`: the 784-1024-1024-10 MLP of the benchmarks (1.86 M parameters).
+- :func:`mlp`: the 784-1024-1024-10 MLP of the benchmarks (1.86 M parameters); it trains on
+  :func:`digits_flat`, the digits upscaled to 28x28 and flattened.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "Shape",
     "cross_entropy",
     "digits_data",
+    "digits_flat",
     "mlp",
     "parabola_data",
     "parabola_loss",
@@ -121,6 +123,14 @@ def digits_data() -> tuple[torch.Tensor, torch.Tensor]:
     digits = load_digits()
     x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     return x, torch.tensor(digits.target, dtype=torch.int64)
+
+
+def digits_flat() -> tuple[torch.Tensor, torch.Tensor]:
+    """The digits of :func:`digits_data` upscaled to 28x28 (bilinear) and flattened to 784
+    values, the input of :func:`mlp`; labels as they are."""
+    x, y = digits_data()
+    big = nn.functional.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False)
+    return big.reshape(len(big), -1), y
 
 
 def cross_entropy(model: nn.Module, shard: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
