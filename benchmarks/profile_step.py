@@ -29,6 +29,7 @@ import towers
 from towers.comm import shm as _shm
 from towers.comm.base import DistComm
 from towers.comm.group import Connection, init_process_group
+from towers.core.launch import read_launch
 from towers.engines.sync.driver import SyncDriver
 from towers.engines.sync.group import PlainGroup
 from towers.tools import bench
@@ -74,7 +75,7 @@ def _comm(setting: str) -> Any:
 
 def _worker(name: str, setting: str, warmup: int, steps: int) -> list[float]:
     _Clock.install()
-    init_process_group("gloo")
+    init_process_group(read_launch(), "gloo")
     comm = _comm(setting)
     step = SyncDriver(PlainGroup(Connection(comm, torch.device("cpu"))))
     model = step.replicate(bench._build(name))

@@ -7,7 +7,9 @@ only the two namespaces. Each namespace sees the host name resolve to 127.0.0.1,
 machines. Tests that use it are skipped, with the reason, where namespaces cannot be made (not
 root, no ``ip``).
 
-Run a command on a host with ``host.run(args)`` or ``host.popen(args)`` (``ip netns exec``).
+Run a command on a host with ``host.popen(args)`` (``ip netns exec``). ``host.cut()`` takes
+its end of the pair down (no packet passes either way, and no socket is told: a network
+partition) and ``host.mend()`` brings it back up.
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ import pytest
 class Host:
     namespace: str
     addr: str
+    link: str = ""  # its end of the veth pair
+
+    def cut(self) -> None:
+        """Take this host's link down: a partition, until :meth:`mend`."""
+        _ip("-n", self.namespace, "link", "set", self.link, "down")
+
+    def mend(self) -> None:
+        """Bring this host's link back up (its address and route come back with it)."""
+        _ip("-n", self.namespace, "link", "set", self.link, "up")
 
     def command(self, args: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.namespace, *args]
@@ -73,7 +84,7 @@ def two_hosts() -> Iterator[tuple[Host, Host]]:
             _ip("-n", name, "addr", "add", f"{addr}/24", "dev", link)
             _ip("-n", name, "link", "set", link, "up")
             _ip("-n", name, "link", "set", "lo", "up")
-            hosts.append(Host(name, addr))
+            hosts.append(Host(name, addr, link))
     except OSError as exc:
         for name in made:
             subprocess.run(["ip", "netns", "del", name], check=False)

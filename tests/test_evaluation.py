@@ -214,3 +214,43 @@ def test_local_sgd_evaluates_the_final_average_at_the_end():
     )
     assert [d for d, _ in result.evals] == [3, 6]
     assert_same_evals(result.evals[-1:], [(6, plain_evaluate(result.model, eval_data))])
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def _own_loop_evaluation():
+    ctx = towers.init(timeout=60)
+    try:
+        model = ctx.replicate(make_net())
+        x, y = regression_data(23, seed=4)  # 23 samples in chunks of 5 over 3 ranks: uneven
+        tensors = ctx.evaluate(model, (x, y), metrics, batch_size=5)
+        dataset = ctx.evaluate(model, Pairs(x, y), metrics, batch_size=5)
+        errors = []
+        for bad in ({"batch_size": 0}, {"batch_size": 5, "fn": 3}):
+            try:
+                ctx.evaluate(model, (x, y), bad.pop("fn", metrics), **bad)
+            except (ValueError, TypeError) as exc:
+                errors.append(str(exc))
+        return tensors, dataset, errors, model.training
+    finally:
+        ctx.close()
+
+
+@pytest.mark.timeout(60)
+def test_own_loop_evaluation_equals_one_process():
+    expected = plain_evaluate(make_net(), regression_data(23, seed=4), metrics)
+    for tensors, dataset, errors, training in towers.spawn(_own_loop_evaluation, 3):
+        assert tensors == pytest.approx(expected, rel=1e-6)
+        assert dataset == pytest.approx(expected, rel=1e-6)
+        assert training  # the model is back in training mode
+        assert "batch_size must be an int >= 1, got 0" in errors[0]
+        assert "fn must be callable" in errors[1]

@@ -12,6 +12,7 @@ import towers
 from towers.comm.base import DistComm
 from towers.comm.group import init_process_group
 from towers.comm.mailbox import ShmPointToPoint
+from towers.core.launch import read_launch
 from towers.tools.zoo import Parabola, parabola_data, parabola_loss
 
 SIZE = 4096 + 8
@@ -24,7 +25,7 @@ def _message(rank: int, i: int) -> torch.Tensor:
 
 def _exchange(rounds: int) -> list[str]:
     """Rank 0 answers every worker's message with one of its own; rounds of that, then errors."""
-    init_process_group("gloo")
+    init_process_group(read_launch(), "gloo")
     try:
         link = ShmPointToPoint(DistComm(), SIZE, timeout=30)
         rank, world = link.rank, link.world_size

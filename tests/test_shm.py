@@ -17,6 +17,7 @@ import towers
 from towers.comm.base import DistComm
 from towers.comm.group import init_process_group
 from towers.comm.shm import SHM_DIR, SMALL_BYTES, ShmComm
+from towers.core.launch import read_launch
 
 
 def _ours() -> set[str]:
@@ -46,7 +47,7 @@ def _inputs(rank: int) -> list[torch.Tensor]:
 
 
 def _compare(threaded: bool, slot_bytes: int) -> list[tuple[bool, float, bool]]:
-    init_process_group()
+    init_process_group(read_launch())
     base = DistComm()
     comm = ShmComm(base, threaded=threaded, slot_bytes=slot_bytes)
     try:
@@ -86,7 +87,7 @@ def test_sum_matches_gloo_and_is_identical_on_every_rank(workers, threaded, slot
 
 
 def _in_place(threaded: bool) -> list[tuple[bool, bool]]:
-    init_process_group()
+    init_process_group(read_launch())
     base = DistComm()
     comm = ShmComm(base, threaded=threaded)
     try:
@@ -126,7 +127,7 @@ def test_sums_in_lent_buffers_match_gloo(workers, threaded):
 
 
 def _nan_result() -> tuple[bool, bool]:
-    init_process_group()
+    init_process_group(read_launch())
     comm = ShmComm(DistComm())
     try:
         x = _inputs(comm.rank)[-1]

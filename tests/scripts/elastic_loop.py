@@ -3,7 +3,8 @@
 Each worker grows its file in ``--progress`` by a byte per step (so the test can pick a moment
 and a victim), and every worker that finishes writes its final parameters and the losses to
 ``--out``, with the towers of each step and when it completed. The loop only adds
-``if r.redo: continue`` to the usual own loop.
+``if r.redo: continue`` to the usual own loop. With ``--hold FILE`` every worker waits after
+four steps until FILE exists, so that a test can look at a job that is surely running.
 """
 
 from __future__ import annotations
@@ -40,14 +41,18 @@ def main() -> None:
     parser.add_argument("--progress", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--batchnorm", action="store_true", help="with sync_batchnorm=True")
+    parser.add_argument("--timeout", type=float, default=None, help="towers.init(timeout=)")
+    parser.add_argument("--hold", default=None, help="after 4 steps, wait until this file exists")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ctx = towers.init()
+    ctx = towers.init(timeout=args.timeout)
     model = ctx.replicate(build(args.batchnorm), sync_batchnorm=args.batchnorm)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses, world, times = [], [], []
     mine = os.path.join(args.progress, f"{os.environ['RANK']}-{os.getpid()}")
     for x, y in ctx.shards(batches(args.steps)):
+        while args.hold and len(losses) == 4 and not os.path.exists(args.hold):
+            time.sleep(0.02)  # the test looks at the running job, then lets it go on
         with open(mine, "a") as f:
             f.write(".")
         time.sleep(args.sleep)

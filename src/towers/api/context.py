@@ -12,42 +12,40 @@ and, for shards taken with :meth:`Context.shards`, that their global batches hav
 and fingerprint (:mod:`towers.core.agree`). A rank that cuts its shards itself can only be
 checked for its step counter: it never sees the global batch.
 
-Under ``towers run --elastic`` (docs/elastic.md), when a peer is lost during ``ctx.step`` the
-step regroups the survivors and returns a result with ``redo=True`` (and no update);
-``ctx.shards`` then yields this tower's part of the *same* global batch, split over the
-survivors. The loop must only skip what it does after a step when ``r.redo`` is true (a
-schedule's ``step()``, logging). A replacement receives the parameters, buffers, optimizer
-state and the position in ``ctx.shards`` from a live peer; a learning-rate schedule the loop
-builds itself is not sent, so build it from ``ctx.steps`` (e.g. ``LambdaLR(opt, lambda _:
-f(ctx.steps))``) if replacements may join.
+Under ``towers run --elastic``, a step that lost a peer returns ``redo=True`` (no update) and
+``ctx.shards`` yields the *same* global batch again, split over the survivors; a replacement
+receives the parameters, buffers, optimizer state and position from a live peer, but not a
+schedule the loop builds itself (build it from ``ctx.steps``). See docs/elastic.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from ..comm.base import Comm
+from ..comm.hang import calling
 from ..core.agree import BatchStamp, fingerprint, mean_vector, weighted_means
+from ..core.data import take
 from ..core.split import batch_size, map_batch, split
 from ..core.step import StepResult
+from ..engines.evaluate import combine, evaluate_part
 from ..engines.job import OptimizerFactory
 from ..engines.replica import Replica, check_loss
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.gradsync import DEFAULT_BUCKET_BYTES
 from ..engines.sync.group import Group
 from ..engines.sync.mode import plan_for
-from ..engines.sync.plan import EveryStep, StepPlan
+from ..engines.sync.plan import EveryStep
 from ..engines.syncbn import convert_batchnorm
 from ..engines.transforms import GradientTransform
 from .loop_files import load_loop, save_loop
+from .loop_state import LoopState
 from .make import reduction
 from .mistakes import (
     BACKWARD_TWICE,
@@ -63,30 +61,24 @@ Batch = TypeVar("Batch")
 
 
 class Context:
-    """This process's place in the job and the synchronous step.
-
-    Get one from :func:`towers.init`. Attributes: ``rank``, ``world_size``, ``local_rank``,
-    ``device`` (``cuda:LOCAL_RANK`` under NCCL, else CPU), ``is_main`` (rank 0) and ``steps``
-    (global batches completed).
-    """
+    """This process's place in the job and the synchronous step (get one from :func:`init`):
+    ``rank``, ``world_size``, ``local_rank``, ``device`` (``cuda:LOCAL_RANK`` under NCCL, else
+    CPU), ``is_main`` (rank 0) and ``steps`` (global batches completed)."""
 
     def __init__(self, group: Group):
         self._group = group
         self.local_rank = group.local_rank
         self.device = group.device
-        self.steps = 0
-        self._driver = SyncDriver(group, owner=self)
-        self._plan: StepPlan = EveryStep()  # what a step does: the mode's (see replicate)
+        self._state = LoopState(group.joining)  # what an elastic group keeps consistent
+        self._driver = SyncDriver(group, owner=self._state)
         self._shard_samples: int | None = None
         self._batch: tuple[int, int] | None = None  # the last global batch's size, fingerprint
         self._accumulated = False  # accumulate() ran since the last step
-        # elastic jobs: what a peer that is ahead sends, and where ctx.shards goes on
-        self._newcomer = group.joining
-        self._catch_up = 0  # batches a replacement skips to reach its peers
-        self._redo = False  # the last step must be trained again
-        self._last: StepResult | None = None
-        self._opt: torch.optim.Optimizer | None = None
-        self._pending_opt: dict[str, Any] | None = None
+
+    @property
+    def steps(self) -> int:
+        """Global batches completed (in an elastic job, by the job: a replacement catches up)."""
+        return self._state.steps
 
     @property
     def rank(self) -> int:
@@ -104,36 +96,6 @@ class Context:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    # -- the state an elastic group keeps consistent ---------------------------------------
-
-    def progress(self) -> int:
-        return -1 if self._newcomer else self._plan.progress(self.steps)
-
-    def _replica(self) -> Replica:
-        assert self._driver.model is not None
-        return Replica(self._driver.model, self._opt)
-
-    def snapshot(self) -> dict[str, Any]:
-        last = dataclasses.asdict(self._last) if self._last else None
-        plan = self._plan.snapshot(self._replica())
-        return {"steps": self._plan.progress(self.steps), "plan": plan, "last": last}
-
-    def adopt(self, state: dict[str, Any]) -> None:
-        self._plan.adopt(state["plan"], self._replica(), self._newcomer)
-        if self._opt is None:  # the optimizer a peer's state holds, for the first ctx.step
-            self._pending_opt = state["plan"].get("optimizer")
-        self._last = StepResult(**state["last"]) if state["last"] else None
-        if self._newcomer:
-            self._catch_up = state["steps"]
-        self._newcomer = False
-        self.steps = state["steps"]
-
-    def regrouped(self) -> None:
-        self._plan.regrouped(self._replica().model)
-
-    def shared(self) -> nn.Module:
-        return self._plan.shared(self._replica().model)
 
     # -- the model and the data ------------------------------------------------------------
 
@@ -185,9 +147,10 @@ class Context:
         elif self.world_size > 1 and not averages_buffers(parsed):
             warn_unsynced_buffers(model, "ctx.replicate(model, sync_batchnorm=True)")
         transform = reduction(transform, compress, model)
-        self._plan = plan_for(parsed, outer_optimizer)
-        self._driver = SyncDriver(self._group, transform, owner=self)
-        breaks = self._plan.attach(model.to(self.device))
+        self._state.model = model
+        self._state.plan = plan_for(parsed, outer_optimizer)
+        self._driver = SyncDriver(self._group, transform, owner=self._state)
+        breaks = self._state.plan.attach(model.to(self.device))
         return self._driver.replicate(model, bucket_bytes, breaks)
 
     def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -201,17 +164,17 @@ class Context:
         """
         refuse_distributed_sampler(batches)
         for batch in batches:
-            if self._catch_up > 0:
-                self._catch_up -= 1
+            if self._state.catch_up > 0:
+                self._state.catch_up -= 1
                 continue
             while True:
                 shard = split(batch, self.world_size)[self.rank]
                 self._shard_samples = batch_size(shard)
                 self._batch = (batch_size(batch), fingerprint(batch))
                 yield map_batch(lambda t: torch.as_tensor(t).to(self.device), shard)
-                if not self._redo:
+                if not self._state.redo:
                     break
-                self._redo = False
+                self._state.redo = False
 
     # -- the step --------------------------------------------------------------------------
 
@@ -245,7 +208,10 @@ class Context:
         """Backward a micro-batch's loss without communicating (gradient accumulation).
 
         The accumulated gradients are averaged, weighted by samples, at the next
-        :meth:`backward` or :meth:`step`.
+        :meth:`backward` or :meth:`step`. Pass each micro-batch's *mean* loss as it is: do not
+        divide it by the number of micro-batches, as DDP scripts do (``loss / accum_steps``).
+        towers already weights every micro-batch by its samples; a divided loss shrinks the
+        gradient by that factor and makes results depend on how many ranks share the batch.
         """
         self._check_no_stale_grads()  # before the step's first micro-batch only
         self._backward(loss, self._weight(samples))
@@ -263,19 +229,21 @@ class Context:
         weight = self._weight(samples)
         self._check_no_stale_grads()
         size, mark = self._batch if self._batch is not None else (None, None)
-        stamp = BatchStamp(self.world_size).pack(self.rank, self.steps, size, mark)
+        state = self._state
+        stamp = BatchStamp(self.world_size).pack(self.rank, state.steps, size, mark)
+        calling(f"{'ctx.step' if optimizer is not None else 'ctx.backward'} (step {state.steps})")
 
         def backward(arm: Any) -> None:
             arm()
             self._backward(loss, weight)
 
         def one() -> StepResult:
-            result = self._plan.step(self._driver, backward, optimizer, self.steps, stamp=stamp)
-            self.steps += 1
-            self._last = result
+            result = state.plan.step(self._driver, backward, optimizer, state.steps, stamp=stamp)
+            state.steps += 1
+            state.last = result
             return result
 
-        before = self.steps
+        before = state.steps
         try:
             result = self._group.attempt(self._driver, one)
         finally:
@@ -284,20 +252,14 @@ class Context:
             outer = self._exchange(final=False)
             return result if outer is None else outer
         self._driver.zero_grad()
-        if self.steps > before and self._last is not None:  # a peer had completed it
-            return self._last
-        self._redo = True
+        if state.steps > before and state.last is not None:  # a peer had completed it
+            return state.last
+        state.redo = True
         return StepResult(math.nan, [], [], skipped=True, redo=True)
 
     def _exchange(self, final: bool) -> StepResult | None:
         """The exchange the mode owes now, if any (DiLoCo's outer step), redone until done."""
-        outer = None
-        while self._plan.owes(self.steps, self.steps if final else None):
-            stamp = BatchStamp(self.world_size).pack(self.rank, self.steps, None, None)
-            run = functools.partial(self._plan.exchange, self._driver, self.steps, final=final)
-            outer = self._group.attempt(self._driver, functools.partial(run, stamp=stamp)) or outer
-        self._plan.results()  # the own loop keeps no record of each global batch's loss
-        return outer
+        return self._state.exchange(self._group, self._driver, final)
 
     def end_period(self) -> StepResult | None:
         """``"diloco:H"``: exchange and take the outer step now, whatever is left of the period
@@ -336,7 +298,7 @@ class Context:
                 "ctx.backward() is not available under towers run --elastic (a step interrupted "
                 "by a lost worker must be redone inside ctx.step); use ctx.step(loss, optimizer)"
             )
-        if not isinstance(self._plan, EveryStep):
+        if not isinstance(self._state.plan, EveryStep):
             raise ValueError(
                 "ctx.backward() leaves every step's averaged gradients in .grad, but in DiLoCo "
                 "each tower steps alone between outer steps: use ctx.step(loss, optimizer)"
@@ -351,17 +313,11 @@ class Context:
     ) -> StepResult:
         """Backward ``loss``, average gradients over all towers, and step ``optimizer``.
 
-        The shorthand for :meth:`backward`, then ``optimizer.step()`` (unless the step is
-        skipped), then clearing the gradients. Under ``towers run --elastic`` the result has
-        ``redo=True`` if a peer was lost (see the module doc).
-
-        Returns:
-            The :class:`StepResult` of this step, identical on every rank.
+        :meth:`backward`, then ``optimizer.step()`` (unless skipped), then clearing the
+        gradients; returns the :class:`StepResult`, identical on every rank (under ``towers run
+        --elastic``, ``redo=True`` if a peer was lost: see the module doc).
         """
-        self._opt = optimizer
-        if self._pending_opt is not None:
-            optimizer.load_state_dict(self._pending_opt)
-            self._pending_opt = None
+        self._state.optimizer(optimizer)
         return self._run_step(loss, samples, optimizer)
 
     def mean(self, values: Mapping[str, Any], samples: int) -> dict[str, float]:
@@ -381,8 +337,53 @@ class Context:
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         vector = mean_vector(values, samples).to(self.device)
+        self.comm.agree_call(f"ctx.mean({sorted(map(str, values))})")
         self.comm.all_reduce_sum(vector).wait()
         return weighted_means(values, vector, self.world_size)
+
+    def evaluate(
+        self,
+        model: nn.Module,
+        data: Any,
+        fn: Callable[[nn.Module, Any], Mapping[str, Any]],
+        *,
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> dict[str, float]:
+        """Evaluate ``fn`` over all of ``data``, split over the ranks; call on every rank.
+
+        ``data`` (tensors, a tuple/dict of tensors, or a map-style Dataset, the same on every
+        rank) is cut into chunks of ``batch_size`` samples, each split over the ranks as
+        :meth:`shards` splits a batch, and evaluated in eval mode under ``no_grad``; every rank
+        gets the sample-weighted metrics one process would compute (as ``train(eval_data=)``).
+
+        Args:
+            model: the model to evaluate (e.g. the one :meth:`replicate` returned; in DiLoCo
+                that one is evaluated with the outer parameters, the ones every rank shares).
+            data: the evaluation samples.
+            fn: ``fn(model, batch) -> {name: mean over the batch}`` (tensors or numbers).
+            batch_size: samples per chunk, all ranks together.
+            collate_fn: for a Dataset, as DataLoader's (default ``default_collate``).
+
+        Example:
+            >>> ctx.evaluate(model, (x_val, y_val), lambda m, b: {"loss": loss_fn(m, b)},
+            ...              batch_size=256)  # doctest: +SKIP
+            {'loss': 0.31}
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if not callable(fn):
+            raise TypeError(f"fn must be callable (model, batch) -> dict, got {type(fn).__name__}")
+
+        def batches(data: Any, parts: list[torch.Tensor]) -> Iterator[Any]:
+            return (take(data, indices, collate_fn) for indices in parts)
+
+        model = self._state.evaluated(model)
+        part = evaluate_part(
+            model, data, fn, batch_size, self.device, self.rank, self.world_size, batches, "fn"
+        )
+        self.comm.agree_call("ctx.evaluate")
+        return combine(self.comm.all_gather_object(part))
 
     def save_checkpoint(
         self,
@@ -396,13 +397,14 @@ class Context:
         """Save the training state of ``step`` (steps done) to ``directory``; call on every rank.
 
         Rank 0 writes ``step-NNNNNNNN.pt`` atomically (temporary file, then rename) with the
-        model, optimizer and schedule state, every rank's RNG state and gradient-transform state
-        and ``extra`` (tensors and plain values only); the two newest checkpoints are kept. A
+        model, optimizer and schedule state, every rank's RNG state and gradient-transform state,
+        the mode's own (DiLoCo: outer parameters and optimizer, every rank's inner state) and
+        ``extra`` (tensors and plain values only); the two newest checkpoints are kept. A
         write that fails (a full disk) warns and training goes on: the state is still in memory.
         """
-        save_loop(
-            directory, step, self._driver, self._plan, Replica(model, optimizer, schedule), extra
-        )
+        self.comm.agree_call(f"ctx.save_checkpoint(step {step})")
+        replica = Replica(model, optimizer, schedule)
+        save_loop(directory, step, self._driver, self._state.plan, replica, extra)
 
     def load_checkpoint(
         self,
@@ -421,13 +423,14 @@ class Context:
             ValueError: if ``directory`` holds checkpoints of ``towers.train``, not of a loop.
         """
         replica = Replica(model, optimizer, schedule)
-        loaded = load_loop(directory, self._driver, self._plan, replica)
+        loaded = load_loop(directory, self._driver, self._state.plan, replica)
         if loaded is None:
             return 0, {}
-        self.steps = loaded[0]  # where the mode's periods continue
+        self._state.steps = loaded[0]  # where the mode's periods continue
         return loaded
 
     def barrier(self) -> None:
+        self.comm.agree_call("ctx.barrier")
         self.comm.barrier()
 
     def close(self) -> None:

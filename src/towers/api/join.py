@@ -7,13 +7,11 @@ its fixed process group; the script is the same.
 
 from __future__ import annotations
 
-import os
-
 from ..comm.elastic import ElasticConnection
 from ..comm.group import connect
 from ..core.args import check_timeout
+from ..core.launch import read_launch
 from ..engines.sync.group import ElasticGroup, PlainGroup
-from ..processes.elastic import ELASTIC_ENV
 from .context import Context
 
 __all__ = ["init"]
@@ -44,19 +42,20 @@ def init(
         >>> ctx = towers.init()
         >>> model = ctx.replicate(build_model())  # doctest: +SKIP
     """
-    mode = os.environ.get("TOWERS_MODE", "sync")
-    if mode != "sync":
+    launch = read_launch()
+    if launch.mode != "sync":
         raise ValueError(
-            f"this job was started with --mode {mode}, which applies to scripts that call "
+            f"this job was started with --mode {launch.mode}, which applies to scripts that call "
             "towers.train; the own-loop API (init/replicate/step) is synchronous: start the "
             "script without --mode, or train with towers.train(..., mode=...)"
         )
     timeout = check_timeout(timeout)
-    joining = os.environ.get(ELASTIC_ENV)
-    if not joining:
-        return Context(PlainGroup(connect(backend=backend, timeout=timeout, transport=transport)))
+    if not launch.elastic:
+        plain = connect(launch, backend=backend, timeout=timeout, transport=transport)
+        return Context(PlainGroup(plain))
     if backend not in (None, "gloo") or transport == "nccl":
         raise ValueError("towers run --elastic runs CPU workers: use backend='gloo'")
-    group = ElasticGroup(ElasticConnection(transport or "auto", timeout, joining=joining == "join"))
+    elastic = ElasticConnection(launch, transport or "auto", timeout, joining=launch.joining)
+    group = ElasticGroup(elastic)
     group.join()  # rank and world size are known from here on
     return Context(group)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..engines import checkpoint
@@ -33,8 +32,7 @@ def save_loop(
 ) -> None:
     """Write the loop's state of ``step`` (a collective: every rank calls it; rank 0 writes)."""
     comm = driver.group.comm
-    rng = comm.all_gather_object(torch.get_rng_state())
-    transform = driver.gather() if driver.sync is not None else None
+    streams = driver.gather_streams()
     planned = plan.checkpoint(driver, replica)
     if comm.rank != 0:
         return
@@ -43,8 +41,7 @@ def save_loop(
         "model": cpu_state(replica.model),
         "optimizer": replica.optimizer.state_dict(),
         "schedule": replica.schedule.state_dict() if replica.schedule is not None else None,
-        "rng": rng,
-        "transform": transform,
+        **streams,
         "extra": extra or {},
     }
     if planned:  # the plan's own model (the outer one) beside the loop's
@@ -66,11 +63,7 @@ def load_loop(
         replica.optimizer.load_state_dict(state["optimizer"])
     if replica.schedule is not None and state["schedule"] is not None:
         replica.schedule.load_state_dict(state["schedule"])
-    comm = driver.group.comm
-    if len(state["rng"]) == comm.world_size:
-        torch.set_rng_state(state["rng"][comm.rank])
-    if state.get("transform") is not None and driver.sync is not None:
-        driver.load_state(state["transform"])
+    driver.restore_streams(state)
     if "plan" in state:
         plan.restore(state["plan"], driver, replica)
     return state["step"], state["extra"]

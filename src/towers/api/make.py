@@ -12,9 +12,9 @@ import dataclasses
 import os
 from typing import Any
 
-from ..comm.group import launched_env
 from ..core.args import check_timeout
 from ..core.data import batches_per_epoch
+from ..core.launch import Launch, read_launch
 from ..core.modes import Engine, Mode, parse_mode
 from ..engines import checkpoint as checkpoint_files
 from ..engines.checkpoint import estimate_bytes
@@ -35,7 +35,7 @@ from .validate import (
     preflight,
 )
 
-__all__ = ["Launch", "make_job", "reduction"]
+__all__ = ["RunPlan", "make_job", "reduction"]
 
 # train()'s keywords that a Job carries under the same name, as given
 _AS_GIVEN = (
@@ -55,7 +55,7 @@ _AS_GIVEN = (
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
+class RunPlan:
     """How a checked job runs: its towers, whether it was launched, restarts allowed."""
 
     workers: int
@@ -63,7 +63,7 @@ class Launch:
     max_restarts: int
 
 
-def make_job(args: dict[str, Any]) -> tuple[Job, Launch]:
+def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     """Check ``train``'s arguments (a dict of its parameters) and build the job they ask for."""
     model, data = args["model"], args["data"]
     refuse_loader("data", data)
@@ -83,10 +83,11 @@ def make_job(args: dict[str, Any]) -> tuple[Job, Launch]:
         log_dir=args["log_dir"],
     )
     check_options(data, **{k: args[k] for k in _OPTIONS})
-    launched = launched_env()
-    mode = _mode(args["mode"], launched)
-    workers = launched_workers(mode, args["workers"], launched)
-    check_workers(mode, workers)
+    launch = read_launch()
+    launched = launch.launched
+    mode = _mode(args["mode"], launch)
+    workers = launched_workers(mode, args["workers"], launch)
+    check_workers(mode, workers, launched)
     batch_size, accumulate = args["batch_size"], args["accumulate"]
     check_mode_options(
         mode, model, args["sync_batchnorm"], args["elastic"], args["outer_optimizer"]
@@ -97,7 +98,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, Launch]:
         )
     if not launched and (workers > 1 or mode.servers or args["max_restarts"]):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
-    check_elastic(args["elastic"], mode, args["transport"], launched)
+    check_elastic(args["elastic"], mode, args["transport"], launch)
     job = Job(
         model=model,
         loss_fn=args["loss_fn"],
@@ -119,10 +120,10 @@ def make_job(args: dict[str, Any]) -> tuple[Job, Launch]:
         **{k: args[k] for k in _AS_GIVEN},
     )
     preflight(job, workers)
-    if job.checkpoint is not None and (not launched or os.environ.get("RANK") == "0"):
+    if job.checkpoint is not None and (not launched or launch.rank == 0):
         checkpoint_files.prepare_directory(job.checkpoint, estimate_bytes(model, n))
     preflight_eval(job, workers)
-    return job, Launch(workers, launched, args["max_restarts"])
+    return job, RunPlan(workers, launched, args["max_restarts"])
 
 
 _OPTIONS = ("eval_data", "eval_fn", "eval_every", "lr_interval", "collate_fn", "num_workers")
@@ -140,10 +141,10 @@ def _total_steps(steps: int | None, epochs: int | None, samples: int, batch_size
     )
 
 
-def _mode(mode: str, launched: bool) -> Mode:
+def _mode(mode: str, launch: Launch) -> Mode:
     """The mode to train in: ``towers run --mode M`` makes ``M`` the default."""
-    if launched and mode == "sync":  # train()'s default
-        mode = os.environ.get("TOWERS_MODE", mode)
+    if launch.launched and mode == "sync":  # train()'s default
+        mode = launch.mode
     return parse_mode(mode)
 
 

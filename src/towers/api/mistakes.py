@@ -20,6 +20,7 @@ __all__ = [
     "check_sync_batchnorm",
     "has_batchnorm",
     "refuse_distributed_sampler",
+    "refuse_meta_model",
     "refuse_sample_list",
     "refuse_wrapped_model",
     "warn_unsynced_buffers",
@@ -36,7 +37,8 @@ BACKWARD_TWICE = (
 
 
 def refuse_wrapped_model(model: Any, where: str) -> None:
-    """``TypeError`` for a model wrapped in ``DistributedDataParallel`` or ``DataParallel``."""
+    """``TypeError`` for a model wrapped in ``DistributedDataParallel`` or ``DataParallel``;
+    ``ValueError`` for one on the meta device (:func:`refuse_meta_model`)."""
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         raise TypeError(
             f"{where} got a model wrapped in {type(model).__name__}; pass the plain model "
@@ -44,6 +46,26 @@ def refuse_wrapped_model(model: Any, where: str) -> None:
             "gradients itself, weighted by each tower's samples, and the wrapper would average "
             "them a second time, divided by the world size"
         )
+    refuse_meta_model(model, where)
+
+
+def refuse_meta_model(model: Any, where: str) -> None:
+    """``ValueError`` for a model whose parameters or buffers have shapes but no values."""
+    if not isinstance(model, nn.Module):
+        return
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    meta = [(name, t) for name, t in tensors if t.is_meta]
+    if not meta:
+        return
+    name, first = meta[0]
+    raise ValueError(
+        f"{where} got a model on the meta device: {len(meta)} of its {len(tensors)} parameters "
+        f"and buffers (the first: {name} {list(first.shape)}) have a shape but no values, so "
+        "there is nothing to train or to send to the workers. Give them values first: "
+        "model.to_empty(device='cpu'), then initialise them (model.apply(init_weights), "
+        "reset_parameters() on each layer, or model.load_state_dict(state)); or build the "
+        "model on the CPU, outside `with torch.device('meta'):`"
+    )
 
 
 def refuse_distributed_sampler(loader: Any) -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from ..core.modes import Engine, parse_mode
 
-__all__ = ["TrainResult"]
+__all__ = ["TrainResult", "warn_if_untrained"]
 
 
 @dataclass
@@ -79,3 +80,21 @@ class TrainResult:
     @property
     def samples_per_second(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else float("nan")
+
+
+def warn_if_untrained(result: TrainResult) -> TrainResult:
+    """``result``, after a ``RuntimeWarning`` if not one update was applied in its steps."""
+    if result.steps == 0 or result.updates > 0:
+        return result
+    first = result.skipped[0] if result.skipped else None
+    culprits = f" (the first: step {first[0]}, towers {first[1]})" if first else ""
+    warnings.warn(
+        f"no update was applied: all {result.steps} steps were skipped because a loss or "
+        f"gradient was not finite{culprits}, so the returned model is the model passed in. "
+        "Look for NaN or Inf in the data, for log(0) or 0/0 in loss_fn, and for a loss that "
+        "overflows (a smaller learning rate); TrainResult.skipped lists every step with its "
+        "culprit towers",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return result

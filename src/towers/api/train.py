@@ -38,8 +38,8 @@ from ..engines.transforms import GradientTransform
 from ..processes.elastic import HANG_SECONDS, supervise
 from ..processes.lifeline import Terminated, sigterm_interrupts, stopped_line
 from ..processes.spawn import spawn
-from .make import Launch, make_job
-from .result import TrainResult
+from .make import RunPlan, make_job
+from .result import TrainResult, warn_if_untrained
 
 __all__ = ["TrainResult", "train"]
 
@@ -205,16 +205,16 @@ def train(
         >>> result.losses[-1] < result.losses[0]  # doctest: +SKIP
         True
     """
-    job, launch = make_job(dict(locals()))  # every argument checked here, before any worker
-    out, restarts = _run(job, launch)
-    return _result(model, job, launch.workers, restarts, out)
+    job, plan = make_job(dict(locals()))  # every argument checked here, before any worker
+    out, restarts = _run(job, plan)
+    return warn_if_untrained(_result(model, job, plan.workers, restarts, out))
 
 
-def _run(job: Job, launch: Launch) -> tuple[EngineResult, int]:
+def _run(job: Job, plan: RunPlan) -> tuple[EngineResult, int]:
     """Launch with restarts; Ctrl-C or SIGTERM ends in one line that names the last checkpoint."""
     try:
         with sigterm_interrupts():
-            return _launch_with_restarts(job, launch.workers, launch.launched, launch.max_restarts)
+            return _launch_with_restarts(job, plan.workers, plan.launched, plan.max_restarts)
     except KeyboardInterrupt as exc:
         # The workers are stopped by now; a traceback would bury the one thing to know.
         print(stopped_line(exc, job.checkpoint), file=sys.stderr, flush=True)

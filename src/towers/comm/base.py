@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, Protocol
@@ -17,10 +18,24 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .hang import absent_ranks, hang_error, publish_pid
+from ..core.secret import JobSecret
+from .hang import CallMismatch, absent_ranks, call_mismatch, calling, hang_error, publish_pid
+from .objects import decode, encode
 
-__all__ = ["Comm", "DistComm", "LocalComm", "PeerFailure", "PeerTimeout", "PointToPoint", "Work"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Comm",
+    "DistComm",
+    "LocalComm",
+    "PeerFailure",
+    "PeerTimeout",
+    "PointToPoint",
+    "Work",
+]
 
+# How long a rank waits for the others (rendezvous, or any collective) before the job fails:
+# a dead or stuck worker ends the job within this bound instead of hanging it.
+DEFAULT_TIMEOUT = 60.0
 _SLICE = 0.25  # seconds between checks of the interrupt while a collective waits
 _SLICE_DELTA = timedelta(seconds=_SLICE)
 
@@ -74,6 +89,10 @@ class Comm(Protocol):
         ...
 
     def barrier(self) -> None: ...
+
+    def agree_call(self, what: str) -> None:
+        """Check that every rank makes the call ``what`` now, before any collective of it."""
+        ...
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A zeroed tensor whose sums this transport computes in place, or ``None``.
@@ -136,6 +155,9 @@ class LocalComm:
 
     def barrier(self) -> None:
         pass
+
+    def agree_call(self, what: str) -> None:
+        calling(what)
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         return None
@@ -215,7 +237,8 @@ class DistComm:
 
     With ``interrupt`` (elastic runs), a collective's failure raises :class:`PeerFailure`, and
     setting the event makes a waiting collective raise it too; without, a failed collective
-    names the ranks that did not arrive.
+    names the ranks that did not arrive. Object messages are signed with ``secret`` and
+    checked before they are read (:mod:`towers.comm.objects`); never plain pickles.
     """
 
     def __init__(
@@ -224,7 +247,9 @@ class DistComm:
         timeout: float | None = None,
         interrupt: threading.Event | None = None,
         sliced: bool = False,
+        secret: JobSecret | None = None,
     ):
+        self.secret = secret
         self.sliced = sliced  # wait without Python callbacks (elastic jobs across hosts)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -234,6 +259,7 @@ class DistComm:
         self._store = _default_store() if group in (None, dist.group.WORLD) else None
         if self._store is not None:
             publish_pid(self._store, self.rank)
+        self._calls = 0  # agree_call()s so far
 
     def _work(self, work: Any) -> Work:
         """``work`` whose failure names the stuck ranks, or, elastic, can be interrupted."""
@@ -262,12 +288,53 @@ class DistComm:
         """
         if self._store is None or self.world_size == 1:
             return exc
-        absent = absent_ranks(self._store, self.rank, self.world_size)
-        if absent is None:  # the store, hosted by rank 0's process, does not answer
-            absent = [(0, None, False)]
+        got = absent_ranks(self._store, self.rank, self.world_size)
+        # the store, hosted by rank 0's process, does not answer: rank 0 is the stuck one
+        absent, calls = got if got is not None else ([(0, None, False)], {})
+        mismatch = call_mismatch(self.rank, calls)
+        if mismatch is not None:
+            return mismatch
         if not absent:
             return exc
         return hang_error(self.rank, absent, self.timeout, "a collective")
+
+    def mismatched_calls(self) -> CallMismatch | None:
+        """Check in with the others (a rank gave up waiting): were the ranks in other calls?"""
+        if self._store is None or self.world_size == 1:
+            return None
+        got = absent_ranks(self._store, self.rank, self.world_size)
+        return None if got is None else call_mismatch(self.rank, got[1])
+
+    def agree_call(self, what: str) -> None:
+        """Check, before its collectives, that every rank is making the call ``what`` now.
+
+        Each rank leaves ``what`` under this call's number in the rendezvous store and waits
+        for the others'. Different calls are refused at once (:class:`~towers.comm.hang.
+        CallMismatch`, naming each rank's); a rank that never comes (it is in another call, or
+        stuck) is named after the timeout. The point is never to issue collectives that do not
+        match: Gloo aborts a process whose collective meets one of another size.
+        """
+        calling(what)
+        if self._store is None or self.world_size == 1:
+            return
+        self._calls += 1
+        keys = [f"towers/call/{self._calls}/{r}" for r in range(self.world_size)]
+        self._store.set(keys[self.rank], what)
+        deadline = time.monotonic() + (DEFAULT_TIMEOUT if self.timeout is None else self.timeout)
+        pause = 2e-4  # polled (a timed store wait logs a warning each time it expires)
+        while not self._store.check(keys):
+            if self.interrupt is not None and self.interrupt.is_set():
+                raise PeerFailure("a peer was lost while the ranks agreed on a call")
+            if time.monotonic() > deadline:
+                raise self.name_stuck(
+                    TimeoutError(f"rank {self.rank} waited in vain for the others in {what}")
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+        calls = {r: self._store.get(key).decode() for r, key in enumerate(keys)}
+        mismatch = call_mismatch(self.rank, calls)
+        if mismatch is not None:
+            raise mismatch
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -287,17 +354,47 @@ class DistComm:
         assert work is not None
         return self._work(work)
 
+    def _device(self) -> torch.device:
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _sender(self, rank: int) -> str:
+        """``"rank 2 (pid 4711 on host h)"``, as far as the rank said so in the store."""
+        with contextlib.suppress(Exception):
+            if self._store is not None and self._store.check([f"towers/pid/{rank}"]):
+                pid, host = self._store.get(f"towers/pid/{rank}").decode().split(" ", 1)
+                return f"rank {rank} (pid {pid} on host {host}, as it reported)"
+        return f"rank {rank}"
+
+    def _decode(self, data: torch.Tensor, rank: int) -> Any:
+        return decode(data.cpu().numpy().tobytes(), self.secret, self._sender(rank))
+
     def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
+        """Every rank's ``obj``; each message checked (:mod:`towers.comm.objects`) before use."""
+        blob, device = encode(obj, self.secret), self._device()
+        size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
         with self._object_errors():
-            dist.all_gather_object(out, obj, group=self.group)
-        return out
+            self._wait(dist.all_gather(sizes, size, group=self.group, async_op=True))
+            counts = [int(n.item()) for n in sizes]
+            mine = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+            mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            out = [torch.empty_like(mine) for _ in range(self.world_size)]
+            self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
+        return [self._decode(t[:n], r) for r, (t, n) in enumerate(zip(out, counts))]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        box = [obj if self.rank == src else None]
+        device = self._device()
+        blob = encode(obj, self.secret) if self.rank == src else b""
+        size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
         with self._object_errors():
-            dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
+            self._wait(dist.broadcast(size, src=src, group=self.group, async_op=True))
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+            if self.rank == src:
+                data.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+            self._wait(dist.broadcast(data, src=src, group=self.group, async_op=True))
+        return obj if self.rank == src else self._decode(data, src)
 
     def barrier(self) -> None:
         self._wait(dist.barrier(group=self.group, async_op=True))
@@ -317,12 +414,17 @@ class DistComm:
         dist.recv(tensor, src, group=self.group)
 
     def send_object(self, obj: Any, dst: int) -> None:
-        dist.send_object_list([obj], dst, group=self.group)
+        blob, device = encode(obj, self.secret), self._device()
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+        dist.send(torch.tensor([len(blob)], dtype=torch.int64, device=device), dst, self.group)
+        dist.send(data, dst, group=self.group)
 
     def recv_object(self, src: int) -> Any:
-        out: list[Any] = [None]
-        dist.recv_object_list(out, src, group=self.group)
-        return out[0]
+        size = torch.empty(1, dtype=torch.int64, device=self._device())
+        dist.recv(size, src, group=self.group)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=size.device)
+        dist.recv(data, src, group=self.group)
+        return self._decode(data, src)
 
 
 # torch >= 2.12 names it all_gather_single and deprecates the older name

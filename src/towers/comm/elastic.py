@@ -12,12 +12,13 @@ shared-memory segment laid out for the survivors (never across hosts: a job of s
 from __future__ import annotations
 
 import gc
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..core.args import check_timeout
+from ..core.launch import Launch
 from .base import Comm, DistComm, LocalComm, PeerFailure
 from .group import DEFAULT_TIMEOUT, shm_or_group
 from .membership import Membership, key
@@ -28,18 +29,24 @@ __all__ = ["ElasticConnection"]
 class ElasticConnection:
     """This worker's membership and the transport of its current generation.
 
-    Reads ``RANK`` (the worker's id), ``MASTER_ADDR`` and ``MASTER_PORT`` (the supervisor's
-    store) from the environment; ``joining`` is true for a replacement started mid-run.
+    ``launch`` gives the worker's id (its ``RANK``), the supervisor's store (``MASTER_ADDR``,
+    ``MASTER_PORT``) and the number of nodes; ``joining`` is true for a replacement started
+    mid-run.
     """
 
-    def __init__(self, transport: str, timeout: float | None, joining: bool = False):
+    def __init__(
+        self, launch: Launch, transport: str, timeout: float | None, joining: bool = False
+    ):
         self.transport = transport
+        timeout = check_timeout(timeout)
         self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
-        self.id = int(os.environ["RANK"])
-        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        self.membership = Membership(addr, port, self.id, self.timeout)
+        self.id = launch.rank
+        addr, port = launch.master_addr, launch.master_port
+        self.secret = launch.job_secret  # signs the membership records and object messages
+        node = launch.group_rank if launch.group_world_size > 1 else None
+        self.membership = Membership(addr, port, self.id, self.timeout, self.secret, node)
         self.joining = joining
-        self.hosts = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1  # a job across hosts
+        self.hosts = launch.group_world_size > 1  # a job across hosts
         self.comm: Comm = LocalComm()
         self.device = torch.device("cpu")
         self.generation = -1
@@ -63,7 +70,9 @@ class ElasticConnection:
                 world_size=world,
                 timeout=timedelta(seconds=self.timeout),
             )
-            base = DistComm(None, self.timeout, self.membership.interrupt, sliced=self.hosts)
+            base = DistComm(
+                None, self.timeout, self.membership.interrupt, self.hosts, secret=self.secret
+            )
             self.comm = self._transport(base)
         except PeerFailure:
             raise

@@ -1,20 +1,20 @@
 """Joining a job: the process group from the launcher's environment, and the transport choice.
 
 Every worker sees what ``torchrun`` would give it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``); :func:`connect` joins the process group over env://
-rendezvous the way torchrun's own scripts do, and puts the transport the engines use on top of
-it: shared memory for CPU workers on one host, the process group (Gloo, NCCL) otherwise.
-Rendezvous on a loopback address listens on loopback only: ``torch.distributed`` has no
-authentication and belongs on trusted networks.
+``MASTER_ADDR``, ``MASTER_PORT``), parsed by the layer above into a
+:class:`~towers.core.launch.Launch`; :func:`connect` joins the process group it describes over
+env:// rendezvous the way torchrun's own scripts do, and puts the transport the engines use on
+top of it: shared memory for CPU workers on one host, the process group (Gloo, NCCL) otherwise.
+The store listens on ``MASTER_ADDR`` only, holds the job's keys under a prefix derived from its
+secret, and refuses a rank of another job (:mod:`towers.comm.store`); object messages are
+signed (:mod:`towers.comm.objects`). Tensors travel unauthenticated and unencrypted: a job across
+hosts belongs on a trusted network (docs/reliability.md, threat model).
 """
 
 from __future__ import annotations
 
 import gc
-import os
-import socket
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -22,11 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.launch import Launch
 from ..core.messages import first_line
-from .base import Comm, DistComm, LocalComm
+from ..core.secret import JobSecret
+from .base import DEFAULT_TIMEOUT, Comm, DistComm, LocalComm
 from .net import is_loopback
 from .rendezvous import choose_interface, join
 from .shm import ShmComm, ShmUnavailable
+from .store import check_owner, claim, client_store, host_store, job_store
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -35,59 +38,52 @@ __all__ = [
     "check_transport",
     "connect",
     "init_process_group",
-    "launched_env",
 ]
 
-# How long a rank waits for the others (rendezvous, or any collective) before the job fails:
-# a dead or stuck worker ends the job within this bound instead of hanging it.
-DEFAULT_TIMEOUT = 60.0
 TRANSPORTS = ("auto", "shm", "gloo", "nccl")
 
 
-def launched_env(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process was started by a launcher (torchrun, ``towers run``, ``spawn``)."""
-    env = os.environ if environ is None else environ
-    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+def _store(launch: Launch, secret: JobSecret | None, timeout: timedelta) -> Any:
+    """The job's rendezvous store, its keys under the job's prefix.
 
-
-def _store(addr: str, port: int, rank: int, world: int, timeout: timedelta) -> Any:
-    """The rendezvous store (rank 0 hosts it); on a loopback address it listens on loopback only.
-
-    torch's TCPStore listens on every interface; handing it a socket bound to ``addr`` keeps a
-    single-machine job unreachable from the network.
+    Rank 0 hosts it, listening on ``MASTER_ADDR`` only (torch's TCPStore alone listens on every
+    interface), unless torchrun's agent hosts it. Every other rank first checks that the store is
+    this job's (:func:`towers.comm.store.client_store`): a rank that reaches another job's store
+    is refused before it writes anything.
     """
-    if rank == 0 and not is_loopback(addr):
-        return dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False)
-    if rank == 0:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    addr, port, rank, world = launch.master_addr, launch.master_port, launch.rank, launch.world_size
+    seconds = timeout.total_seconds()
+    if launch.agent_store:
+        # torchrun's agent hosts the store. After a restart (--max-restarts) the keys of the
+        # failed attempt can still be there, and Gloo would dial the dead workers' addresses:
+        # keep each attempt's keys apart.
+        client = dist.TCPStore(addr, port, world, False, timeout)
+        raw = dist.PrefixStore(f"towers/attempt_{launch.restart_count}", client)
+        if rank == 0:
+            claim(raw, secret)
+        else:
+            check_owner(raw, secret, f"{addr}:{port}", seconds)
+    elif rank == 0:
+        raw = host_store(addr, port, seconds, secret, world)
+    else:
         try:
-            sock.bind((addr, port))
-            sock.listen()
-        except OSError as exc:
-            sock.close()
-            raise OSError(
-                exc.errno,
-                f"cannot listen for the rendezvous on {addr}:{port}: {exc.strerror}; the port is "
-                "in use: choose another MASTER_PORT, or leave it unset for a free one",
+            raw = client_store(addr, port, seconds, secret, world)
+        except dist.DistError as exc:
+            raise TimeoutError(
+                f"rank {rank} could not reach the rendezvous at {addr}:{port} within "
+                f"{seconds:g} s: is rank 0 running, and are MASTER_ADDR and MASTER_PORT right? "
+                f"({first_line(exc)})"
             ) from None
-        return dist.TCPStore(
-            addr, port, world, True, timeout, wait_for_workers=False, master_listen_fd=sock.detach()
-        )
-    try:
-        return dist.TCPStore(addr, port, world, False, timeout)
-    except dist.DistError as exc:
-        raise TimeoutError(
-            f"rank {rank} could not reach the rendezvous at {addr}:{port} within "
-            f"{timeout.total_seconds():g} s: is rank 0 running, and are MASTER_ADDR and "
-            f"MASTER_PORT right? ({first_line(exc)})"
-        ) from None
+    return job_store(raw, secret)
 
 
-def init_process_group(backend: str | None = None, timeout: float | None = None) -> Any:
-    """Initialise the default process group from the launcher's environment.
+def init_process_group(
+    launch: Launch, backend: str | None = None, timeout: float | None = None
+) -> Any:
+    """Initialise the default process group of the job ``launch`` describes.
 
     Under torchrun the agent's store is used, one key space per restart attempt. A job of our
-    own on a loopback ``MASTER_ADDR`` gets a store that listens on loopback only. Every rank
+    own gets a store that listens on ``MASTER_ADDR`` only (:func:`_store`). Every rank
     checks in before the group is built, so that a rank that never comes is named after
     ``timeout`` (:func:`towers.comm.rendezvous.join`); across hosts, Gloo is pointed at the
     interface that reaches ``MASTER_ADDR`` unless ``GLOO_SOCKET_IFNAME`` says otherwise.
@@ -99,18 +95,10 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
     wait = timedelta(seconds=DEFAULT_TIMEOUT if timeout is None else timeout)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": wait}
     if backend == "nccl":
-        kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent hosts the store. After a restart (--max-restarts) the keys of the
-        # failed attempt can still be there, and Gloo would dial the dead workers' addresses:
-        # keep each attempt's keys apart.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        client = dist.TCPStore(addr, port, world, False, wait)
-        store = dist.PrefixStore(f"towers/attempt_{attempt}", client)
-    else:
-        store = _store(addr, port, rank, world, wait)
+        kwargs["device_id"] = torch.device("cuda", launch.local_rank)
+    addr, port = launch.master_addr, launch.master_port
+    rank, world = launch.rank, launch.world_size
+    store = _store(launch, launch.job_secret, wait)
     if not is_loopback(addr):
         choose_interface(addr, backend)
     join(store, rank, world, wait, f"{addr}:{port}")
@@ -126,6 +114,7 @@ class Connection:
     device: torch.device
     local_rank: int = 0
     owns_group: bool = False
+    secret: JobSecret | None = None  # signs the job's object messages
 
     def close(self) -> None:
         """Release the transport and, if :func:`connect` created it, the process group."""
@@ -139,34 +128,39 @@ class Connection:
             gc.collect()
 
 
-def check_transport(transport: str | None) -> str:
-    """The transport to use: ``transport``, else ``TOWERS_TRANSPORT``, else ``"auto"``."""
+def check_transport(transport: str | None, launched: str | None = None) -> str:
+    """The transport to use: ``transport``, else ``launched`` (``TOWERS_TRANSPORT``), else auto."""
     if transport is None:
-        transport = os.environ.get("TOWERS_TRANSPORT") or "auto"
+        transport = launched or "auto"
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
     return transport
 
 
 def connect(
-    *, backend: str | None = None, timeout: float | None = None, transport: str | None = None
+    launch: Launch,
+    *,
+    backend: str | None = None,
+    timeout: float | None = None,
+    transport: str | None = None,
 ) -> Connection:
-    """Join the job this process was launched into (a world of one if it was not)."""
-    transport = check_transport(transport)
+    """Join the job ``launch`` describes (a world of one if the process was not launched)."""
+    transport = check_transport(transport, launch.transport)
     if transport != "auto":
         backend = backend or ("gloo" if transport == "shm" else transport)
-    if not launched_env():
+    if not launch.launched:
         return Connection(LocalComm(), torch.device("cpu"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = launch.local_rank
     owns_group = not dist.is_initialized()
-    group = init_process_group(backend, timeout)
+    group = init_process_group(launch, backend, timeout)
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     wait = DEFAULT_TIMEOUT if timeout is None else timeout
-    comm = shm_or_group(DistComm(group, wait), transport, wait)
-    return Connection(comm, device, local_rank, owns_group)
+    secret = launch.job_secret
+    comm = shm_or_group(DistComm(group, wait, secret=secret), transport, wait)
+    return Connection(comm, device, local_rank, owns_group, secret)
 
 
 def shm_or_group(

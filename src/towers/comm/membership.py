@@ -16,41 +16,115 @@ member's rank is its index in that list. Its keys:
 - ``g<g>/regroup``: a replacement is ready and waits in ``g + 1``; the members agree, in the
   metadata of a step, to move there after that step.
 - ``join/<id>``: the generation a replacement enters; ``ready/<id>``: a replacement is built;
-  ``left/<id>``: a worker is done and stopped its heartbeat.
+  ``left/<id>``: a worker is done and stopped its heartbeat; ``lost/<id>``: when and why a
+  worker was declared lost (a worker that finds itself dropped says so, and exits).
+
+The store is on another host in a job across hosts, and a network partition answers nothing
+at all: no error, a call that never returns. The heartbeat's calls are timed
+(:class:`WatchedStore`): one that has not returned within the timeout ends the worker with a
+line saying that it lost contact with the job, and since when.
+
+Every key lives under the job's prefix, and the records that decide who is a member
+(``members``, ``failed``, ``regroup``, ``join``, ``ready``) are signed with the job's secret
+(:mod:`towers.comm.store`): a process that reaches the store can list the keys, but its own
+records are passed over, so it cannot make itself a member.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import socket
 import sys
 import threading
 import time
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
-
+from ..core.secret import JobSecret
 from .base import PeerTimeout
+from .store import client_store, get_signed, job_store, put_signed, read_signed
 
-__all__ = ["HEARTBEAT", "Dropped", "Membership", "key", "open_store"]
+__all__ = ["HEARTBEAT", "Dropped", "Membership", "WatchedStore", "clock", "key", "open_store"]
 
 HEARTBEAT = 0.2  # seconds between a worker's heartbeats
 _POLL = 0.01  # seconds between checks while members arrive
 
 
-class Dropped(RuntimeError):
-    """This worker is no longer a member (the supervisor declared it lost)."""
+class Dropped(SystemExit):
+    """This worker is no longer a member: the job declared it lost and trains on without it.
+
+    A ``SystemExit`` (exit code 1), so that a training loop's ``except Exception`` does not keep
+    a dropped worker training as a ghost, and the script ends with the one line that says why
+    instead of a traceback.
+    """
 
 
 def key(generation: int, name: str) -> str:
     return f"g{generation}/{name}"
 
 
-def open_store(addr: str, port: int, timeout: float) -> Any:
-    """A client of the job's store (the supervisor hosts it)."""
-    return dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout))
+def open_store(addr: str, port: int, timeout: float, secret: JobSecret | None) -> Any:
+    """A client of the job's store (the supervisor hosts it), checked to be this job's."""
+    return job_store(client_store(addr, port, timeout, secret), secret)
+
+
+def clock(when: float) -> str:
+    """A wall-clock time as people read it in a log: ``14:03:07``."""
+    return time.strftime("%H:%M:%S", time.localtime(when))
+
+
+class WatchedStore:
+    """A store client whose calls are timed, for one thread at a time.
+
+    A TCP connection across a network partition neither answers nor fails: a call blocks until
+    the kernel gives up, a quarter of an hour later. A thread of this object's own checks the
+    call in flight, and calls ``lost(when)`` (``when``: the wall time of the last answer) once
+    one has not returned within ``timeout`` seconds; ``lost`` is expected to end the process.
+    """
+
+    def __init__(self, store: Any, timeout: float, lost: Callable[[float], None]):
+        self.store = store
+        self.timeout = timeout
+        self.answered = time.time()  # wall time of the last answer
+        self._asking: float | None = None  # monotonic start of the call in flight
+        self._lost = lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="towers-contact", daemon=True)
+        self._thread.start()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._asking = time.monotonic()
+            try:
+                answer = method(*args, **kwargs)
+            finally:
+                self._asking = None
+            self.answered = time.time()
+            return answer
+
+        return timed
+
+    def _watch(self) -> None:
+        every = min(1.0, self.timeout / 10)
+        while not self._stop.wait(every):
+            began = self._asking
+            if began is None or time.monotonic() - began <= self.timeout:
+                continue
+            # A thread that held the GIL that long kept the answer from being noted: look again
+            # once the caller had a moment to run.
+            if self._stop.wait(0.2) or self._asking != began:
+                continue
+            self._lost(self.answered)
+            return
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 class Membership:
@@ -60,19 +134,35 @@ class Membership:
         addr, port: the job's store.
         wid: this worker's id.
         timeout: seconds to wait for a generation to be published or its members to arrive.
+        secret: the job's secret, which signs the membership records.
+        node: this worker's node, in a job across hosts (its lines then say where it runs).
     """
 
-    def __init__(self, addr: str, port: int, wid: int, timeout: float):
+    def __init__(
+        self,
+        addr: str,
+        port: int,
+        wid: int,
+        timeout: float,
+        secret: JobSecret | None = None,
+        node: int | None = None,
+    ):
         self.id = wid
+        # where this worker runs, in its lines: `` on node 1 (host NAME)`` across hosts
+        self.here = "" if node is None else f" on node {node} (host {socket.gethostname()})"
         self.timeout = timeout
-        self.store = open_store(addr, port, timeout)
+        self.secret = secret
+        self.store = open_store(addr, port, timeout, secret)
         self.interrupt = threading.Event()  # a member of the current generation was lost
         self.generation = -1
         self._regroup = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.where = f"{addr}:{port}"
         # The store client is not shared across threads: the heartbeat has its own.
-        self._beat_store = open_store(addr, port, timeout)
+        self._beat_store = WatchedStore(
+            open_store(addr, port, timeout, secret), timeout, self._cut_off
+        )
         self._beat_store.add(f"hb/{wid}", 1)
         self._thread = threading.Thread(target=self._beat, name="towers-heartbeat", daemon=True)
         self._thread.start()
@@ -85,16 +175,18 @@ class Membership:
                 g = self.generation
                 if g < 0:
                     continue
-                failed = store.check([key(g, "failed")])
-                regroup = store.check([key(g, "regroup")])
-            except Exception:
+                failed = get_signed(store, self.secret, key(g, "failed")) is not None
+                regroup = get_signed(store, self.secret, key(g, "regroup")) is not None
+            except Exception as exc:
                 if self._stop.is_set():
                     return
                 # The store lives in the supervisor: without it this worker would train on as
                 # a ghost, so it ends now.
                 print(
-                    f"towers: worker {self.id} lost the job's supervisor (the caller of train, or "
-                    "towers run); stopping",
+                    f"towers: worker {self.id}{self.here} lost the job's supervisor (the caller of "
+                    f"train, or towers run: its store at {self.where} stopped answering at "
+                    f"{clock(store.answered)}: {str(exc).splitlines()[0] if str(exc) else exc!r}); "
+                    "stopping",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -105,6 +197,18 @@ class Membership:
                         self.interrupt.set()
                     self._regroup = self._regroup or regroup
 
+    def _cut_off(self, since: float) -> None:
+        """The heartbeat's call has not returned within the timeout: a partition, or a stop."""
+        print(
+            f"towers: worker {self.id}{self.here} lost contact with the job at {clock(since)}: the "
+            f"job's store at {self.where} has not answered for {self.timeout:g} s (the timeout); "
+            "a network partition, or the store's host stopped. This worker stops (the job drops "
+            "it and trains on without it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
     @property
     def regroup_wanted(self) -> bool:
         """Whether a replacement waits to join after the current generation."""
@@ -112,29 +216,40 @@ class Membership:
 
     def failure(self, generation: int) -> tuple[list[int], float] | None:
         """The ids lost in ``generation`` and when, or ``None`` if it did not fail."""
-        if not self.store.check([key(generation, "failed")]):
+        text = get_signed(self.store, self.secret, key(generation, "failed"))
+        if text is None:
             return None
-        info = json.loads(self.store.get(key(generation, "failed")))
+        info = json.loads(text)
         return info["dead"], info["at"]
 
     def members(self, generation: int) -> list[int]:
         """The members of ``generation``, once the supervisor published it."""
         try:
-            self.store.wait([key(generation, "members")], timedelta(seconds=self.timeout))
-        except Exception:
+            text = read_signed(self.store, self.secret, key(generation, "members"), self.timeout)
+        except TimeoutError:
             raise PeerTimeout(
                 f"worker {self.id}: generation {generation} of the job was not published within "
                 f"{self.timeout:g} s; did the supervisor (the caller of train) exit?"
             ) from None
-        return list(json.loads(self.store.get(key(generation, "members"))))
+        return list(json.loads(text))
+
+    def _dropped(self) -> str:
+        why = ""
+        with contextlib.suppress(Exception):
+            if self.store.check([f"lost/{self.id}"]):
+                info = json.loads(self.store.get(f"lost/{self.id}"))
+                why = f" at {clock(info['at'])} ({info['why']})"
+        return (
+            f"towers: worker {self.id}{self.here} was dropped from the job{why}; the others train "
+            "on without it. This worker stops"
+        )
 
     def first_generation(self, joining: bool) -> int:
         """0 for a worker started with the job; a replacement waits to be let in."""
         if not joining:
             return 0
-        self.store.set(f"ready/{self.id}", "1")
-        self.store.wait([f"join/{self.id}"], timedelta(seconds=self.timeout))
-        return int(self.store.get(f"join/{self.id}"))
+        put_signed(self.store, self.secret, f"ready/{self.id}", "1")
+        return int(read_signed(self.store, self.secret, f"join/{self.id}", self.timeout))
 
     def enter(self, generation: int) -> tuple[int, list[int]]:
         """Arrive in ``generation`` (or a later one, if it fails) once all its members are here.
@@ -149,14 +264,14 @@ class Membership:
         while True:
             members = self.members(generation)
             if self.id not in members:
-                raise Dropped(f"worker {self.id} was dropped from the job")
+                raise Dropped(self._dropped())
             with self._lock:
                 self.generation = generation
                 self.interrupt.clear()
                 self._regroup = False
             self.store.add(key(generation, "here"), 1)
             deadline = time.monotonic() + self.timeout
-            while not self.store.check([key(generation, "failed")]):
+            while get_signed(self.store, self.secret, key(generation, "failed")) is None:
                 if self.store.add(key(generation, "here"), 0) >= len(members):
                     return generation, members
                 if time.monotonic() > deadline:
@@ -173,3 +288,4 @@ class Membership:
         self._thread.join(1.0)
         with contextlib.suppress(Exception):
             self.store.set(f"left/{self.id}", "1")
+        self._beat_store.close()  # watched until here: a heartbeat stuck in a partition ends it

@@ -5,22 +5,34 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_timeout"]
+__all__ = ["MAX_TIMEOUT", "check_timeout"]
+
+# torch.distributed keeps a timeout in nanoseconds in 64 bits, and Python's threads accept waits
+# up to threading.TIMEOUT_MAX: both end near 9.2e9 s, and 1e10 overflows inside a worker.
+MAX_TIMEOUT = 1e9  # seconds, about 31 years
 
 
 def check_timeout(value: Any, name: str = "timeout") -> float | None:
     """``value`` as seconds (``None`` stays ``None``: the default applies).
 
-    A timeout bounds every wait for a peer, so it must be a finite number of seconds above 0:
-    ``"10"`` is a ``TypeError``, ``0``, ``-5``, ``nan`` and ``inf`` are ``ValueError`` s.
+    A timeout bounds every wait for a peer, so it must be a finite number of seconds above 0
+    and at most :data:`MAX_TIMEOUT`: ``"10"`` is a ``TypeError``, ``0``, ``-5``, ``nan``,
+    ``inf`` and ``1e15`` are ``ValueError`` s.
     """
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    accepted = f"the accepted range is 0 < {name} <= {MAX_TIMEOUT:g}"
     if not math.isfinite(value) or value <= 0:
         raise ValueError(
-            f"{name} must be a finite number of seconds > 0, got {value!r}; for a long wait "
-            "give a large number, e.g. 3600"
+            f"{name} must be a finite number of seconds > 0, got {value!r}; {accepted}. For a "
+            "long wait give a large number, e.g. 3600"
+        )
+    if value > MAX_TIMEOUT:
+        raise ValueError(
+            f"{name} must be at most {MAX_TIMEOUT:g} seconds (about 31 years), got {value:g}; "
+            f"{accepted}: larger ones overflow the clocks of torch.distributed and of Python's "
+            f"threads. For a wait with no practical limit give {MAX_TIMEOUT:g}"
         )
     return float(value)

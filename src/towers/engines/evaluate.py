@@ -11,7 +11,7 @@ object gather); in the asynchronous modes the server evaluates its parameters al
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -23,9 +23,10 @@ from .fetch import Fetcher, load
 from .job import Job
 from .replica import to_device
 
-__all__ = ["Partial", "combine", "due", "evaluate"]
+__all__ = ["MetricsFn", "Partial", "combine", "due", "evaluate", "evaluate_part"]
 
 Partial = tuple[dict[str, float], int]  # each metric summed over samples, and the samples
+MetricsFn = Callable[[nn.Module, Any], Mapping[str, Any]]  # (model, batch) -> {name: mean}
 
 
 def due(job: Job, done: int) -> bool:
@@ -35,29 +36,61 @@ def due(job: Job, done: int) -> bool:
     return done == job.steps or (job.eval_every is not None and done % job.eval_every == 0)
 
 
-def _metrics(job: Job, model: nn.Module, batch: Any) -> Mapping[str, Any]:
-    if job.eval_fn is None:
-        return {"loss": job.loss_fn(model, batch)}
-    out = job.eval_fn(model, batch)
+def _metrics(fn: MetricsFn, model: nn.Module, batch: Any, what: str) -> Mapping[str, Any]:
+    out = fn(model, batch)
     if not isinstance(out, Mapping) or not out:
         raise TypeError(
-            "eval_fn must return a non-empty dict {name: mean over the batch}, e.g. "
+            f"{what} must return a non-empty dict {{name: mean over the batch}}, e.g. "
             f"{{'loss': ..., 'accuracy': ...}}; got {type(out).__name__}"
         )
     return out
 
 
-def _value(name: str, value: Any) -> float:
+def _value(name: str, value: Any, what: str) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(
-                f"eval_fn's {name!r} is a tensor of shape {list(value.shape)}; return its mean "
+                f"{what}'s {name!r} is a tensor of shape {list(value.shape)}; return its mean "
                 "over the batch (a scalar), e.g. with .mean()"
             )
         return float(value.detach())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    raise TypeError(f"eval_fn's {name!r} must be a scalar tensor or a number, got {value!r}")
+    raise TypeError(f"{what}'s {name!r} must be a scalar tensor or a number, got {value!r}")
+
+
+def evaluate_part(
+    model: nn.Module,
+    data: Any,
+    fn: MetricsFn,
+    batch_size: int,
+    device: torch.device,
+    rank: int,
+    world: int,
+    batches: Callable[[Any, list[torch.Tensor]], Iterable[Any]],
+    what: str = "eval_fn",
+) -> Partial:
+    """This tower's part (``rank`` of ``world``) of evaluating ``fn`` over ``data``.
+
+    ``data`` is cut into chunks of ``batch_size`` samples in order, each split over the towers;
+    ``batches(data, indices)`` fetches this tower's parts; ``what`` names ``fn`` in errors.
+    Returns each metric summed over this tower's samples, and their number.
+    """
+    n = num_samples(data)
+    chunks = [torch.arange(a, min(a + batch_size, n)) for a in range(0, n, batch_size)]
+    mine = [part for c in chunks if len(part := split(c, world)[rank])]
+    sums: dict[str, float] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for indices, batch in zip(mine, batches(data, mine), strict=True):
+                for name, value in _metrics(fn, model, to_device(batch, device), what).items():
+                    add = _value(name, value, what) * len(indices)
+                    sums[str(name)] = sums.get(str(name), 0.0) + add
+    finally:
+        model.train(was_training)
+    return sums, sum(len(m) for m in mine)
 
 
 def evaluate(
@@ -68,26 +101,12 @@ def evaluate(
     world: int,
     fetch: Fetcher | None = None,
 ) -> Partial:
-    """This tower's part (``rank`` of ``world``) of an evaluation: metric sums and samples.
-
-    ``fetch``: the tower's :class:`~towers.engines.fetch.Fetcher` (default: in this process).
-    """
-    n = num_samples(job.eval_data)
-    chunks = [torch.arange(a, min(a + job.batch_size, n)) for a in range(0, n, job.batch_size)]
-    mine = [part for c in chunks if len(part := split(c, world)[rank])]
-    sums: dict[str, float] = {}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            data = job.eval_data
-            batches = load(job, data, mine) if fetch is None else fetch(data, mine)
-            for indices, batch in zip(mine, batches, strict=True):
-                for name, value in _metrics(job, model, to_device(batch, device)).items():
-                    sums[str(name)] = sums.get(str(name), 0.0) + _value(name, value) * len(indices)
-    finally:
-        model.train(was_training)
-    return sums, sum(len(m) for m in mine)
+    """This tower's part of evaluating ``job.eval_fn`` (default: the loss) over
+    ``job.eval_data``; ``fetch``: the tower's :class:`~towers.engines.fetch.Fetcher` (default:
+    in this process)."""
+    fn: MetricsFn = job.eval_fn or (lambda m, b: {"loss": job.loss_fn(m, b)})
+    batches = fetch or (lambda data, mine: load(job, data, mine))
+    return evaluate_part(model, job.eval_data, fn, job.batch_size, device, rank, world, batches)
 
 
 def combine(parts: list[Partial]) -> dict[str, float]:
@@ -95,7 +114,7 @@ def combine(parts: list[Partial]) -> dict[str, float]:
     total = sum(count for _, count in parts)
     names = [sorted(sums) for sums, count in parts if count]
     if any(n != names[0] for n in names):
-        raise ValueError(f"eval_fn returned different metrics on different towers: {names}")
+        raise ValueError(f"the evaluation returned different metrics on different towers: {names}")
     return {
         name: math.fsum(sums[name] for sums, count in parts if count) / total for name in names[0]
     }

@@ -34,8 +34,14 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return map_batch(lambda t: torch.as_tensor(t).to(device), batch)
 
 
-def check_loss(loss: Any, where: str = "loss_fn") -> None:
-    """Raise a clear error unless ``loss`` is a scalar floating tensor with a gradient."""
+def check_loss(loss: Any, where: str = "loss_fn", model: nn.Module | None = None) -> None:
+    """Raise a clear error unless ``loss`` is a scalar floating tensor with a gradient.
+
+    A loss that is a leaf of the autograd graph (``requires_grad`` but no ``grad_fn``, as
+    ``loss.detach().requires_grad_()`` makes) reaches no parameter; with ``model`` given, the
+    whole graph is searched for one of its trainable parameters (once, in the caller: the
+    search costs a walk over every node).
+    """
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
             f"{where} must return a scalar tensor (the mean loss over the shard), "
@@ -53,6 +59,35 @@ def check_loss(loss: Any, where: str = "loss_fn") -> None:
             f"{where} returned a tensor that does not depend on any trainable parameter "
             "(requires_grad is False); compute it from the model's output"
         )
+    detached = loss.grad_fn is None and not isinstance(loss, nn.Parameter)
+    if detached or (model is not None and not _reaches(loss, model)):
+        what = "is a leaf of the autograd graph (requires_grad but no grad_fn)"
+        if not detached:
+            what = (
+                "reaches none of the trainable parameters of the model it was given (was it "
+                "computed with another model, a global variable?)"
+            )
+        raise ValueError(
+            f"{where} returned a tensor that {what}: its backward would change no parameter, "
+            "and every step would train nothing. A loss is cut from the model's output by "
+            "loss.detach().requires_grad_(), torch.tensor(loss.item(), requires_grad=True) or "
+            "a copy through numpy; return the loss computed from the model's output, as it is"
+        )
+
+
+def _reaches(loss: torch.Tensor, model: nn.Module) -> bool:
+    """Whether ``loss``'s autograd graph leads to a trainable parameter of ``model``."""
+    params = {id(p) for p in model.parameters() if p.requires_grad}
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in params:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return id(loss) in params
 
 
 def backward_weighted(loss: torch.Tensor, samples: int) -> float:

@@ -16,6 +16,7 @@ import torch
 
 from ..comm.group import Connection, connect
 from ..core.data import BatchOrder, num_samples
+from ..core.launch import read_launch
 from ..core.modes import Engine
 from . import checkpoint
 from .job import EngineResult, Job
@@ -55,7 +56,7 @@ def run_job(job: Job, resume: dict[str, Any] | None) -> EngineResult | None:
     transport = job.transport
     if engine.point_to_point:
         transport = "nccl" if torch.cuda.is_available() else "gloo"
-    conn = connect(timeout=job.timeout, transport=transport)
+    conn = connect(read_launch(), timeout=job.timeout, transport=transport)
     try:
         return engine.train(job, conn, resume)
     finally:

@@ -15,8 +15,8 @@ A worker that raises is not lost but wrong: its exception fails the job, as in
 after every member has done every step.
 
 Across hosts (``towers run --elastic --nnodes M``), :mod:`.elastic_nodes` runs one supervisor
-per host over one store, through the hooks ``_tick``, ``_announce``, ``_replace`` and
-``_admit``.
+per host over one store, through the hooks ``_tick``, ``_announce``, ``_replace``,
+``_admit`` and ``_dropped``.
 """
 
 from __future__ import annotations
@@ -25,28 +25,25 @@ import json
 import multiprocessing.connection
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
 from ..comm.membership import key
-from ..comm.net import DEFAULT_ADDR, free_port
+from ..comm.net import DEFAULT_ADDR, free_port, is_loopback
+from ..comm.rendezvous import choose_interface
+from ..comm.store import get_signed, host_store, job_store, put_signed
+from ..core.launch import ELASTIC
+from ..core.secret import JobSecret, new_secret
 from .env import cpu_count, describe_exit, worker_env
 from .lifeline import die_with_parent
 from .pack import pack
 from .spawn import WorkerError, _context, _failure, _worker_main
 
-__all__ = ["ELASTIC_ENV", "HANG_SECONDS", "ElasticOutcome", "run_script_elastic", "supervise"]
-
-# Set by towers run --elastic in each worker: "1", or "join" for a replacement.
-ELASTIC_ENV = "TOWERS_ELASTIC"
+__all__ = ["HANG_SECONDS", "ElasticOutcome", "run_script_elastic", "supervise"]
 
 # A worker whose heartbeat (every 0.2 s, from a thread) stops this long while its process is
 # stopped (SIGSTOP, a debugger) is hung: it is killed and training goes on without it. A running
@@ -64,24 +61,9 @@ class ElasticOutcome:
     replacements: int = 0
 
 
-def _host_store(addr: str, port: int, timeout: float) -> Any:
-    """The job's store, listening on ``addr`` only."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((addr, port))
-        sock.listen()
-    except OSError:
-        sock.close()
-        raise
-    return dist.TCPStore(
-        addr,
-        port,
-        None,
-        True,
-        timedelta(seconds=timeout),
-        wait_for_workers=False,
-        master_listen_fd=sock.detach(),
-    )
+def _host_store(addr: str, port: int, timeout: float, secret: JobSecret | None) -> Any:
+    """The job's store, listening on ``addr`` only, with the job's keys under its prefix."""
+    return job_store(host_store(addr, port, timeout, secret), secret)
 
 
 def _stopped(pid: int) -> bool:
@@ -133,10 +115,13 @@ class _Supervisor:
         hang: float,
         addr: str,
         timeout: float,
+        port: int | None = None,
+        secret: str | None = None,
     ):
-        self._setup(start, workers, max_restarts, hang, addr, timeout)
-        self.port = free_port(addr)
-        self.store = _host_store(addr, self.port, timeout)
+        secret = new_secret() if secret is None else secret
+        self._setup(start, workers, max_restarts, hang, addr, timeout, secret)
+        self.port = free_port(addr) if port is None else port
+        self.store = _host_store(addr, self.port, timeout, self.secret)
         self._publish(list(range(workers)))
         for wid in range(workers):
             self._start(wid, joining=False)
@@ -149,10 +134,14 @@ class _Supervisor:
         hang: float,
         addr: str,
         timeout: float,
+        secret: str | None,
     ) -> None:
         self.start_worker, self.workers = start, workers
         self.max_restarts, self.hang, self.addr = max_restarts, hang, addr
         self.timeout = timeout
+        # The workers get the job's secret in their environment; it signs the records here.
+        self.secret_text = secret
+        self.secret = None if secret is None else JobSecret(secret)
         self.procs: dict[int, Any] = {}
         self.generations: dict[int, list[int]] = {}
         self.marked: set[int] = set()  # generations announced as failed
@@ -166,11 +155,12 @@ class _Supervisor:
     def _publish(self, members: list[int]) -> int:
         g = len(self.generations)
         self.generations[g] = members
-        self.store.set(key(g, "members"), json.dumps(members))
+        put_signed(self.store, self.secret, key(g, "members"), json.dumps(members))
         return g
 
     def _start(self, wid: int, joining: bool) -> None:
-        env = {**os.environ, **worker_env(wid, self.workers, self.addr, self.port)}
+        place = worker_env(wid, self.workers, self.addr, self.port, secret=self.secret_text)
+        env = {**os.environ, **place}
         self.procs[wid] = self.start_worker(wid, joining, env)
 
     def _active(self) -> bool:
@@ -178,6 +168,10 @@ class _Supervisor:
 
     def _tick(self) -> None:
         """Once per watch tick: nothing on one host (see :mod:`.elastic_nodes`)."""
+
+    def _dropped(self, wid: int) -> bool:
+        """Whether the job dropped ``wid`` while it ran: never on one host (it is killed first)."""
+        return False
 
     def run(self, until_all: bool = False) -> ElasticOutcome:
         """Supervise until a worker returns a result (``until_all``: until every one has)."""
@@ -193,6 +187,12 @@ class _Supervisor:
                 if seen is None:
                     continue
                 status, rest = seen
+                if status == "error" and self._dropped(wid):
+                    # The job declared it lost (its node fell silent) and trains on without
+                    # it; it said so and stopped: not a bug of its own.
+                    self.procs.pop(wid).kill()
+                    self.outcome.dead.append(wid)
+                    continue
                 if status == "error":
                     raise handle.failure(wid, rest)
                 if status == "ok" and until_all:
@@ -252,7 +252,7 @@ class _Supervisor:
             info = json.dumps({"dead": [wid], "at": at})
             for g, members in self.generations.items():
                 if wid in members and g not in self.marked:
-                    self.store.set(key(g, "failed"), info)
+                    put_signed(self.store, self.secret, key(g, "failed"), info)
                     self.marked.add(g)
             latest = self.generations[len(self.generations) - 1]
             if wid in latest:
@@ -276,14 +276,14 @@ class _Supervisor:
     def _admit(self) -> None:
         """Let each built replacement into the next generation, at the members' next step."""
         for wid in sorted(self.waiting):
-            if not self.store.check([f"ready/{wid}"]):
+            if get_signed(self.store, self.secret, f"ready/{wid}") is None:
                 continue
             self.waiting.discard(wid)
             current = len(self.generations) - 1
             g = self._publish([*self.generations[current], wid])
             self.admitted[wid] = g
-            self.store.set(f"join/{wid}", str(g))
-            self.store.set(key(current, "regroup"), "1")
+            put_signed(self.store, self.secret, f"join/{wid}", str(g))
+            put_signed(self.store, self.secret, key(current, "regroup"), "1")
 
     def stop(self) -> None:
         for handle in self.procs.values():
@@ -302,7 +302,8 @@ def supervise(
     """Run ``fn(*args, joining)`` as an elastic job of ``workers`` local processes.
 
     Each worker gets the torchrun environment with ``RANK`` = its id and ``MASTER_ADDR`` /
-    ``MASTER_PORT`` = the job's store, hosted here; ``joining`` is true for a replacement.
+    ``MASTER_PORT`` = the job's store, hosted here, and the job's fresh secret
+    (``TOWERS_SECRET``); ``joining`` is true for a replacement.
     Workers are lost, announced and replaced as the module doc says; the first result a
     worker returns ends the job, and every process is stopped before this returns.
 
@@ -362,7 +363,7 @@ def script_starter(
     threads = str(max(1, cpu_count() // local_workers))
 
     def start(wid: int, joining: bool, env: dict[str, str]) -> _Script:
-        env = {**env, ELASTIC_ENV: "join" if joining else "1"}
+        env = {**env, ELASTIC: "join" if joining else "1"}  # towers run --elastic
         env.setdefault("OMP_NUM_THREADS", threads)
         cmd = [sys.executable, script, *args]
         return _Script(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))
@@ -378,15 +379,26 @@ def run_script_elastic(
     max_restarts: int = 0,
     timeout: float = 60.0,
     addr: str = DEFAULT_ADDR,
+    port: int | None = None,
+    secret: str | None = None,
 ) -> int:
     """``towers run --elastic``: run ``python SCRIPT ARGS`` as an elastic job of ``workers``.
 
     A worker killed by a signal or hung is lost and the others go on (up to ``max_restarts``
     replacements join); one that exits non-zero fails the job. Returns 0 when every remaining
-    worker has exited 0, else the failed worker's exit code.
+    worker has exited 0, else the failed worker's exit code. The job's store listens on
+    ``addr``:``port`` (a free port by default); its workers get ``secret`` (a fresh one by
+    default) in their environment.
     """
+    if not is_loopback(addr):
+        choose_interface(addr, "gloo")  # the workers' Gloo listens on addr's interface too
     start = script_starter(script, args, workers)
-    sup = _Supervisor(start, workers, max_restarts, min(HANG_SECONDS, timeout), addr, timeout)
+    hang = min(HANG_SECONDS, timeout)
+    try:
+        sup = _Supervisor(start, workers, max_restarts, hang, addr, timeout, port, secret)
+    except OSError as exc:  # the port is taken, or addr is not this host's
+        print(f"towers run: {exc}", file=sys.stderr)
+        return 1
     try:
         outcome = sup.run(until_all=True)
     except WorkerError as exc:

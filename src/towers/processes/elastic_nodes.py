@@ -18,6 +18,14 @@ one host (process, heartbeat, a replacement for each of its own lost workers), a
   workers left. Node 0 keeps the store up until every node is done; a node whose launcher
   falls silent for :data:`NODE_HANG` seconds is lost with all its workers (they die with their
   launcher), and the others train on. A node that loses node 0 (the store) stops.
+- ``node/<r>/dropped``, ``lost/<id>``: node 0 dropped node ``r`` (silent, not necessarily
+  dead: a network partition), and when. Node ``r``, if it comes back, stops with a line of its
+  own; its workers, dropped, stop too, and are not taken for failed workers.
+
+Across a network partition node 0's store neither answers nor fails: every other node's
+launcher times its calls to the store (:class:`~towers.comm.membership.WatchedStore`), and
+one that has had no answer for the job's timeout stops its workers and exits, saying that
+this node lost contact with the job and since when.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,16 +42,22 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..comm.membership import key, open_store
+from ..comm.membership import WatchedStore, clock, key, open_store
 from ..comm.rendezvous import choose_interface
+from ..comm.store import ForeignJob, get_signed
 from .elastic import HANG_SECONDS, _host_store, _Supervisor, script_starter
 from .env import worker_env
 from .spawn import WorkerError
 
-__all__ = ["NODE_HANG", "run_script_nodes"]
+__all__ = ["NODE_HANG", "NodeDropped", "run_script_nodes"]
 
 # A launcher ticks every 0.1 s; one silent this long is lost, with its node's workers.
 NODE_HANG = 5.0
+
+
+class NodeDropped(Exception):
+    """Node 0 dropped this node (it heard nothing from it for a while): it stops, the job
+    goes on."""
 
 
 class _NodeSupervisor(_Supervisor):
@@ -57,15 +73,18 @@ class _NodeSupervisor(_Supervisor):
         addr: str,
         port: int,
         timeout: float,
+        secret: str | None = None,
     ):
         world = nproc * nnodes
-        self._setup(start, world, max_restarts, min(HANG_SECONDS, timeout), addr, timeout)
+        hang = min(HANG_SECONDS, timeout)
+        self._setup(start, world, max_restarts, hang, addr, timeout, secret)
         self.nproc, self.nnodes, self.node, self.port = nproc, nnodes, node, port
         self.coordinator = node == 0
         if self.coordinator:
-            self.store = _host_store(addr, port, timeout)
-        else:
-            self.store = open_store(addr, port, timeout)
+            self.store = _host_store(addr, port, timeout, self.secret)
+        else:  # refused at once if node 0's store is another job's, or has another secret
+            store = open_store(addr, port, timeout, self.secret)
+            self.store = WatchedStore(store, timeout, self._cut_off)
         self.local_rank: dict[int, int] = {}
         self.local_new: set[int] = set()  # this node's replacements
         self.seen = 0  # notices read (node 0)
@@ -94,14 +113,43 @@ class _NodeSupervisor(_Supervisor):
             self.store.set("abort", json.dumps({"node": self.node, "error": error, "code": 2}))
             raise WorkerError(error, -1, 2)
 
+    def _cut_off(self, since: float) -> None:
+        """Node 0's store has not answered for the timeout: stop this node's workers, and exit.
+
+        Called on the store's watch thread while this one waits for an answer that may never
+        come, so it ends the process itself.
+        """
+        workers = sorted(self.procs)
+        for handle in list(self.procs.values()):
+            with contextlib.suppress(OSError):
+                os.kill(handle.pid, signal.SIGKILL)
+        print(
+            f"towers run (node {self.node}, host {socket.gethostname()}): lost contact with the "
+            f"job at {clock(since)}: node 0's store at {self.addr}:{self.port} has not answered "
+            f"for {self.timeout:g} s (the timeout); a network partition, or node 0 stopped. This "
+            f"node's workers {workers} are stopped (node 0 drops a node silent for "
+            f"{NODE_HANG:g} s, and the others train on)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    def _dropped(self, wid: int) -> bool:
+        return bool(self.store.check([f"lost/{wid}"]))
+
     def _start(self, wid: int, joining: bool) -> None:
-        env = {**os.environ, **worker_env(wid, self.workers, self.addr, self.port)}
-        env |= {
-            "LOCAL_RANK": str(self.local_rank[wid]),
-            "LOCAL_WORLD_SIZE": str(self.nproc),
-            "GROUP_RANK": str(self.node),
-            "GROUP_WORLD_SIZE": str(self.nnodes),
-        }
+        place = worker_env(
+            wid,
+            self.workers,
+            self.addr,
+            self.port,
+            local_rank=self.local_rank[wid],
+            local_world_size=self.nproc,
+            group_rank=self.node,
+            group_world_size=self.nnodes,
+            secret=self.secret_text,
+        )
+        env = {**os.environ, **place}
         self.procs[wid] = self.start_worker(wid, joining, env)
 
     def _active(self) -> bool:
@@ -123,9 +171,11 @@ class _NodeSupervisor(_Supervisor):
             self.seen += 1
             self._forget(info["dead"], info["at"])
 
-    def _forget(self, wid: int, at: float) -> None:
+    def _forget(self, wid: int, at: float, why: str = "") -> None:
         if wid not in self.gone:
             self.gone.add(wid)
+            if why:  # it may still run: tell it, before it can see the generation without it
+                self.store.set(f"lost/{wid}", json.dumps({"at": at, "why": why}))
             super()._announce(wid, at)
 
     def _replace(self, wid: int) -> None:
@@ -154,9 +204,10 @@ class _NodeSupervisor(_Supervisor):
         """Stop this node's replacements that the finished members will never take in."""
         for wid in sorted(self.local_new & set(self.procs)):
             formed = False
-            if self.store.check([f"join/{wid}"]):
-                g = int(self.store.get(f"join/{wid}"))
-                members = json.loads(self.store.get(key(g, "members")))
+            joined = get_signed(self.store, self.secret, f"join/{wid}")
+            if joined is not None:
+                g = int(joined)
+                members = json.loads(get_signed(self.store, self.secret, key(g, "members")) or "[]")
                 formed = self.store.add(key(g, "here"), 0) >= len(members)
             if not formed:
                 self.procs.pop(wid).kill()
@@ -167,6 +218,14 @@ class _NodeSupervisor(_Supervisor):
             self.told.add(name)
 
     def _tick(self) -> None:
+        if not self.coordinator and self.store.check([f"node/{self.node}/dropped"]):
+            info = json.loads(self.store.get(f"node/{self.node}/dropped"))
+            raise NodeDropped(
+                f"this node (host {socket.gethostname()}) was dropped from the job at "
+                f"{clock(info['at'])}: node 0 heard nothing from its towers run for "
+                f"{info['silent']:g} s (a network partition, or this host stalled). Its workers "
+                f"{sorted(self.procs)} are stopped; the others train on without them"
+            )
         self.store.add(f"node/{self.node}/beat", 1)
         if self.finishing:
             self._tell("finishing")
@@ -223,8 +282,10 @@ class _NodeSupervisor(_Supervisor):
             file=sys.stderr,
             flush=True,
         )
+        self.store.set(f"node/{r}/dropped", json.dumps({"at": at, "silent": NODE_HANG}))
+        why = f"node {r}'s towers run was silent for {NODE_HANG:g} s"
         for wid in lost:
-            self._forget(wid, at)
+            self._forget(wid, at, why)
 
     def fail(self, exc: WorkerError) -> None:
         """Tell every node that the job failed (unless it learnt that from another node)."""
@@ -244,19 +305,26 @@ def run_script_nodes(
     port: int,
     max_restarts: int = 0,
     timeout: float = 60.0,
+    secret: str | None = None,
 ) -> int:
     """One node of ``towers run --elastic --nnodes M``: supervise this node's ``nproc`` workers.
 
-    Returns 0 when every worker of this node that was not lost has exited 0 (on node 0: and
-    every other node is done), else the failed worker's exit code, or 1 if the store is lost.
+    ``secret`` is the job's, the same on every node (``TOWERS_SECRET``, ``--secret-file``); a
+    node whose secret differs from node 0's is refused at once. Returns 0 when every worker of
+    this node that was not lost has exited 0 (on node 0: and every other node is done), else the
+    failed worker's exit code, or 1 if the store is lost or refused this node.
     """
     choose_interface(addr, "gloo")  # the workers inherit GLOO_SOCKET_IFNAME
     start = script_starter(script, args, nproc)
     where = f"node {node_rank}"
     sup: _NodeSupervisor | None = None
+    place = (nproc, nnodes, node_rank, max_restarts, addr, port, timeout, secret)
     try:
-        sup = _NodeSupervisor(start, nproc, nnodes, node_rank, max_restarts, addr, port, timeout)
+        sup = _NodeSupervisor(start, *place)
         outcome = sup.run(until_all=True)
+    except NodeDropped as exc:
+        print(f"towers run ({where}): {exc}", file=sys.stderr)
+        return 1
     except WorkerError as exc:
         if sup is not None:
             with contextlib.suppress(dist.DistError):
@@ -264,6 +332,9 @@ def run_script_nodes(
         print(f"towers run ({where}): {exc}", file=sys.stderr)
         code = exc.exitcode or 1
         return code if code > 0 else 128 - code
+    except (ForeignJob, TimeoutError) as exc:  # node 0's store is not this job's
+        print(f"towers run ({where}): {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:  # node 0 cannot listen on addr:port
         print(
             f"towers run ({where}): cannot host the job's store on {addr}:{port}: {exc}",

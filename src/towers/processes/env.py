@@ -15,17 +15,18 @@ import signal
 import torch
 
 from ..comm.net import is_loopback
+from ..core.launch import ENV_KEYS, Launch
 
 __all__ = [
     "ENV_KEYS",
     "cpu_count",
     "describe_exit",
+    "read_secret_file",
     "set_process_name",
     "set_worker_threads",
     "worker_env",
 ]
 
-ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _PR_SET_NAME = 15
 
 
@@ -37,24 +38,65 @@ def cpu_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def worker_env(rank: int, world_size: int, addr: str, port: int) -> dict[str, str]:
-    """The variables torchrun sets for one worker of a single-node job.
+def worker_env(
+    rank: int,
+    world_size: int,
+    addr: str,
+    port: int,
+    *,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    group_rank: int = 0,
+    group_world_size: int = 1,
+    secret: str | None = None,
+) -> dict[str, str]:
+    """The variables torchrun sets for one worker (:meth:`towers.core.launch.Launch.environ`).
 
-    On a loopback address Gloo is also told to use the loopback interface, so that no socket of
-    a local job listens on the network.
+    By default a single-node job: the local rank and world are the global ones. ``secret`` is
+    the job's (``TOWERS_SECRET``): the worker gets it in its environment, never over the
+    network. On a loopback address Gloo is also told to use the loopback interface, so that no
+    socket of a local job listens on the network.
     """
     env = {}
     if is_loopback(addr) and os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    return env | {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "GROUP_RANK": "0",
-        "MASTER_ADDR": addr,
-        "MASTER_PORT": str(port),
-    }
+    launch = Launch(
+        launched=True,
+        rank=rank,
+        world_size=world_size,
+        local_rank=rank if local_rank is None else local_rank,
+        local_world_size=world_size if local_world_size is None else local_world_size,
+        group_rank=group_rank,
+        group_world_size=group_world_size,
+        master_addr=addr,
+        master_port=port,
+        secret=secret,
+    )
+    return env | launch.environ()
+
+
+def read_secret_file(path: str) -> str:
+    """The job's secret from ``path`` (``towers run --secret-file``), stripped of blank ends.
+
+    Raises:
+        FileNotFoundError: no such file.
+        PermissionError: other users may read or write it (``chmod 600`` it).
+        ValueError: it is empty.
+    """
+    mode = os.stat(path).st_mode
+    if mode & 0o077:
+        raise PermissionError(
+            f"the secret file {path} can be read or written by other users (mode "
+            f"{oct(mode & 0o777)}): chmod 600 {path}"
+        )
+    with open(path) as f:
+        secret = f.read().strip()
+    if not secret:
+        raise ValueError(
+            f"the secret file {path} is empty: write the job's secret in it, the same on every "
+            f"node (e.g. openssl rand -hex 32 > {path})"
+        )
+    return secret
 
 
 def describe_exit(exitcode: int | None) -> str:

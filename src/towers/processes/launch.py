@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 
 from ..comm.net import DEFAULT_ADDR, free_port
+from ..core.secret import new_secret
 from .env import cpu_count, describe_exit, worker_env
 from .lifeline import Terminated, die_with_parent
 
@@ -28,16 +29,19 @@ def run_script(
     addr: str = DEFAULT_ADDR,
     port: int | None = None,
     failure_grace: float = 5.0,
+    secret: str | None = None,
 ) -> int:
     """Run ``python SCRIPT ARGS`` as ``workers`` ranks; return 0, or the first failure's code.
 
     When one rank fails the others get ``failure_grace`` seconds, then are terminated. Ranks
     die with ``towers run`` however it dies (``PR_SET_PDEATHSIG``); on Ctrl-C or ``SIGTERM`` it
-    stops them and says so in one line.
+    stops them and says so in one line. The ranks get the job's ``secret`` (a fresh one by
+    default) in their environment.
     """
     if not os.path.isfile(script):
         raise FileNotFoundError(f"no such script: {script}")
     port = free_port(addr) if port is None else port
+    secret = new_secret() if secret is None else secret
     threads = str(max(1, cpu_count() // workers))
     procs: list[subprocess.Popen[bytes]] = []
 
@@ -56,7 +60,7 @@ def run_script(
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         for rank in range(workers):
-            env = {**os.environ, **worker_env(rank, workers, addr, port)}
+            env = {**os.environ, **worker_env(rank, workers, addr, port, secret=secret)}
             env.setdefault("OMP_NUM_THREADS", threads)
             procs.append(
                 subprocess.Popen(

@@ -8,18 +8,29 @@ open files"). :func:`pack` instead pickles the arguments with every CPU storage 
 (a reduction of their own, as ``torch.save`` does) and copies the storages, back to back, into one
 shared buffer: one descriptor whatever the number of tensors, one copy of the data in the caller,
 none in the workers, whose tensors are views of the buffer. The caller's tensors are not moved.
+
+The buffer lives in ``/dev/shm``, often small in containers (Docker gives 64 MB). A job whose
+tensors do not fit is refused before any worker starts, saying how much is needed and free and
+what to do; torch's own failure would leave its half-made file behind. Files that killed jobs
+left there are swept first (:func:`towers.comm.segment.sweep`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import ctypes
+import errno
 import io
+import os
 import pickle
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..comm.segment import SHM_DIR, free_space, size_text, sweep
 
 __all__ = ["Packed", "check_picklable", "pack", "unpack"]
 
@@ -126,12 +137,45 @@ def pack(obj: Any) -> Packed:
     for s in pickler.storages:
         spans.append((end, s.nbytes()))
         end += -(-s.nbytes() // _ALIGN) * _ALIGN
-    buffer = torch.empty(end, dtype=torch.uint8).share_memory_()
+    buffer = _shared(end)
     base = buffer.data_ptr()
     for s, (start, size) in zip(pickler.storages, spans):
         if size:
             ctypes.memmove(base + start, s.data_ptr(), size)  # no tensor per storage: cheaper
     return Packed(out.getvalue(), buffer, spans)
+
+
+def _shared(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of shared memory, or an ``OSError`` that says how to make room for them."""
+    sweep()
+    try:
+        free, total = free_space()
+    except OSError:  # no /dev/shm: torch says what it cannot do
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    if nbytes > free:
+        raise _no_room(nbytes, free, total)
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    except RuntimeError as exc:  # the room went to another process meanwhile
+        made = re.search(r"<(/torch_\d+_[^>]*)>", str(exc))
+        if made is not None:  # torch leaves the file it could not fill
+            with contextlib.suppress(OSError):
+                os.unlink(SHM_DIR + made.group(1))
+        if "No space left" not in str(exc):
+            raise
+        raise _no_room(nbytes, *free_space()) from None
+
+
+def _no_room(nbytes: int, free: int, total: int) -> OSError:
+    return OSError(
+        errno.ENOSPC,
+        f"the job's tensors (the data, the model and whatever else goes to the workers) need "
+        f"{size_text(nbytes)} of shared memory to reach the worker processes, and {SHM_DIR} has "
+        f"{size_text(free)} free (of {size_text(total)}). Give {SHM_DIR} more room (docker run "
+        "--shm-size=2g, or as root: mount -o remount,size=2G /dev/shm), or send less: a "
+        "Dataset that reads its samples from disk in __getitem__ is sent as the object alone, "
+        "and train(..., workers=1) trains in this process",
+    )
 
 
 def check_picklable(obj: Any) -> None:

@@ -1,8 +1,9 @@
 """``towers.spawn``: run a function in local worker processes, with clean failure.
 
-Workers get the torchrun environment (:mod:`towers.processes.env`) and report their result or
-their exception through a pipe; a worker that dies is named with its exit code or signal, and no
-process is left behind whatever happens. Rendezvous binds 127.0.0.1 unless told otherwise.
+Workers get the torchrun environment (:mod:`towers.processes.env`) with a fresh job secret, and
+report their result or their exception through a pipe; a worker that dies is named with its exit
+code or signal, and no process is left behind whatever happens. Rendezvous binds 127.0.0.1
+unless told otherwise.
 """
 
 from __future__ import annotations
@@ -24,12 +25,16 @@ import torch.multiprocessing as mp
 from ..comm.hang import PeerHang
 from ..comm.net import DEFAULT_ADDR, free_port
 from ..core.args import check_timeout
+from ..core.secret import new_secret
 from .env import describe_exit, set_worker_threads, worker_env
 from .guard import check_main_guard
 from .lifeline import watch_caller
+from .oom import OomWatch
 from .pack import Packed, pack, unpack
 
 __all__ = ["WorkerError", "spawn"]
+
+_LONGEST_POLL = 86400.0  # seconds
 
 
 class WorkerError(RuntimeError):
@@ -119,7 +124,8 @@ def spawn(
     """Run ``fn(*args)`` in ``workers`` local processes and return their results by rank.
 
     Each worker gets the torchrun environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and ``cores // workers`` threads, so
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), the job's fresh secret
+    (``TOWERS_SECRET``, which signs its messages) and ``cores // workers`` threads, so
     ``fn`` can call :func:`towers.init`. ``fn`` and ``args`` are pickled: ``fn`` must be defined
     at module level, and the calling script needs an ``if __name__ == "__main__":`` guard.
 
@@ -156,13 +162,15 @@ def spawn(
     timeout = check_timeout(timeout)
     check_main_guard("towers.spawn()")
     port = free_port(addr) if port is None else port
+    secret = new_secret()  # the job's, in each worker's environment: signs its messages
     ctx = _context()
     packed = pack((fn, args))  # one shared buffer for every tensor, see processes/pack.py
+    oom = OomWatch()
     procs, conns = [], []
     try:
         for rank in range(workers):
             recv, send = ctx.Pipe(duplex=False)
-            env = {**os.environ, **worker_env(rank, workers, addr, port)}
+            env = {**os.environ, **worker_env(rank, workers, addr, port, secret=secret)}
             # Not daemonic: a worker may start processes of its own (DataLoader's num_workers),
             # which multiprocessing refuses to a daemon; the finally below stops every worker.
             p = ctx.Process(target=_worker_main, args=(env, send, packed), daemon=False)
@@ -170,7 +178,7 @@ def spawn(
             send.close()
             procs.append(p)
             conns.append(recv)
-        return _collect(procs, conns, timeout, failure_grace, frozenset(tolerate))
+        return _collect(procs, conns, timeout, failure_grace, frozenset(tolerate), oom)
     finally:
         _stop(procs)
         for c in conns:
@@ -183,6 +191,7 @@ def _collect(
     timeout: float | None,
     failure_grace: float,
     tolerate: frozenset[int] = frozenset(),
+    oom: OomWatch | None = None,
 ) -> list[Any]:
     results: dict[int, Any] = {}
     failures: list[tuple[str, BaseException]] = []
@@ -192,7 +201,8 @@ def _collect(
     while pending:
         now = time.monotonic()
         limits = [t for t in (deadline, stop_at) if t is not None]
-        wait = None if not limits else max(0.0, min(limits) - now)
+        # poll(2) takes at most 2**31 ms (24 days): a longer timeout is waited in turns
+        wait = None if not limits else min(max(0.0, min(limits) - now), _LONGEST_POLL)
         ready = multiprocessing.connection.wait(
             list(pending.values()) + [procs[r].sentinel for r in pending], timeout=wait
         )
@@ -214,7 +224,7 @@ def _collect(
             if status == "died" and rank in tolerate:
                 results[rank] = None
                 continue
-            failures.append((status, _failure(rank, proc, status, rest)))
+            failures.append((status, _failure(rank, proc, status, rest, oom)))
             if stop_at is None:
                 # A rank that names a stuck peer has said all there is to say: the stuck one
                 # will not report, and waiting for it would only delay the error.
@@ -239,7 +249,9 @@ def _collect(
     return [results.get(r) for r in range(len(procs))]
 
 
-def _failure(rank: int, proc: Any, status: str, rest: list[Any]) -> BaseException:
+def _failure(
+    rank: int, proc: Any, status: str, rest: list[Any], oom: OomWatch | None = None
+) -> BaseException:
     if status == "error":
         exc, tb = rest
         if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not isinstance(exc, BaseException):
@@ -248,9 +260,10 @@ def _failure(rank: int, proc: Any, status: str, rest: list[Any]) -> BaseExceptio
             exc.add_note(f"raised in towers worker {rank}:\n{tb}")
         return exc
     proc.join(1.0)
+    why = oom.explain(proc.exitcode) if oom is not None else ""
     return WorkerError(
         f"worker {rank} (pid {proc.pid}) died with {describe_exit(proc.exitcode)} "
-        "before returning a result",
+        f"before returning a result{why}",
         rank,
         proc.exitcode,
     )

@@ -41,6 +41,7 @@ from torch import nn
 from ..api.join import init
 from ..api.train import train
 from ..comm.group import init_process_group
+from ..core.launch import read_launch
 from ..core.messages import first_line
 from ..core.split import split
 from ..processes.env import cpu_count
@@ -150,12 +151,13 @@ def _single(name: str, threads: int, warmup: int, steps: int) -> float:
 
 
 def _floor(name: str, warmup: int, steps: int) -> float:
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    launch = read_launch()
+    world, rank = launch.world_size, launch.rank
     return _plain(_build(name), [split(b, world)[rank] for b in _batches(name)], warmup, steps)
 
 
 def _ddp(name: str, warmup: int, steps: int) -> float:
-    init_process_group("gloo")
+    init_process_group(read_launch(), "gloo")
     try:
         return _ddp_steps(name, warmup, steps)
     finally:

@@ -58,6 +58,8 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..core.args import check_timeout
+    from ..core.launch import MODE
     from ..core.modes import Engine, parse_mode
     from ..processes.launch import run_script
 
@@ -78,9 +80,14 @@ def _run(args: argparse.Namespace) -> int:
             "compute",
             file=sys.stderr,
         )
-    os.environ["TOWERS_MODE"] = str(mode)
+    os.environ[MODE] = str(mode)  # read by towers.train in the script
     if args.nnodes > 1 and not args.elastic:
         print("towers run: --nnodes > 1 needs --elastic (or use torchrun)", file=sys.stderr)
+        return 2
+    try:
+        secret = _secret(args.secret_file)
+    except (OSError, ValueError) as exc:
+        print(f"towers run: {exc}", file=sys.stderr)
         return 2
     if args.elastic:
         from ..processes.elastic import run_script_elastic
@@ -88,15 +95,40 @@ def _run(args: argparse.Namespace) -> int:
         if mode.engine is not Engine.SYNC or args.max_restarts < 0:
             print("towers run: --elastic needs sync mode and --max-restarts >= 0", file=sys.stderr)
             return 2
+        timeout = args.timeout
+        try:
+            check_timeout(timeout, "--timeout")
+        except ValueError as exc:
+            print(f"towers run: {exc}", file=sys.stderr)
+            return 2
         if args.nnodes > 1:
-            return _run_nodes(args, processes)
+            return _run_nodes(args, processes, timeout, secret)
         return run_script_elastic(
-            args.script, processes, args.script_args, max_restarts=args.max_restarts
+            args.script,
+            processes,
+            args.script_args,
+            max_restarts=args.max_restarts,
+            timeout=timeout,
+            addr=args.addr,
+            port=args.port,
+            secret=secret,
         )
-    return run_script(args.script, processes, args.script_args, addr=args.addr, port=args.port)
+    return run_script(
+        args.script, processes, args.script_args, addr=args.addr, port=args.port, secret=secret
+    )
 
 
-def _run_nodes(args: argparse.Namespace, processes: int) -> int:
+def _secret(path: str | None) -> str | None:
+    """The job's secret: ``--secret-file``, else ``TOWERS_SECRET``, else none (a fresh one)."""
+    from ..core.launch import read_launch
+    from ..processes.env import read_secret_file
+
+    if path is not None:
+        return read_secret_file(path)
+    return read_launch().secret
+
+
+def _run_nodes(args: argparse.Namespace, processes: int, timeout: float, secret: str | None) -> int:
     from ..processes.elastic_nodes import run_script_nodes
 
     if args.port is None or not 0 <= args.node_rank < args.nnodes:
@@ -105,6 +137,14 @@ def _run_nodes(args: argparse.Namespace, processes: int) -> int:
             file=sys.stderr,
         )
         return 2
+    if secret is None:
+        print(
+            f"towers run (node {args.node_rank}): no job secret (TOWERS_SECRET or "
+            "--secret-file): the nodes cannot tell this job from another on the same port, and "
+            "whoever reaches the port can disturb it; messages are limited to tensors and plain "
+            "data. Give every node the same secret (docs/reliability.md, threat model)",
+            file=sys.stderr,
+        )
     return run_script_nodes(
         args.script,
         processes,
@@ -114,6 +154,8 @@ def _run_nodes(args: argparse.Namespace, processes: int) -> int:
         addr=args.addr,
         port=args.port,
         max_restarts=args.max_restarts,
+        timeout=timeout,
+        secret=secret,
     )
 
 
@@ -191,11 +233,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser(
         "run",
         help="run a script as N local workers (the torchrun environment)",
-        usage="towers run SCRIPT [-n N] [--mode M] [--addr A] [--port P] "
-        "[--elastic [--max-restarts R] [--nnodes M --node-rank R]] -- [ARGS ...]",
+        usage="towers run SCRIPT [-n N] [--mode M] [--addr A] [--port P] [--secret-file F] "
+        "[--elastic [--max-restarts R] [--timeout S] [--nnodes M --node-rank R]] -- [ARGS ...]",
         description="Start N copies of SCRIPT with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
         "MASTER_PORT set as torchrun sets them; stop them all if one fails. Arguments after -- "
-        "go to the script.",
+        "go to the script. Every job gets a secret (TOWERS_SECRET in the workers' environment) "
+        "that signs its messages: a fresh one, or --secret-file / TOWERS_SECRET.",
     )
     run.add_argument("script")
     run.add_argument("-n", "--nproc", type=int, default=2, help="workers (default 2)")
@@ -206,10 +249,20 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "the parameter server as rank 0",
     )
     run.add_argument(
-        "--addr", "--master-addr", default="127.0.0.1", help="rendezvous address (default loopback)"
+        "--addr",
+        "--master-addr",
+        default="127.0.0.1",
+        help="rendezvous address; the store listens there only (default loopback)",
     )
     run.add_argument(
         "--port", "--master-port", type=int, default=None, help="rendezvous port (default: free)"
+    )
+    run.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="F",
+        help="the job's secret, read from F (mode 600), the same on every node; default: "
+        "TOWERS_SECRET, else a fresh one (one host)",
     )
     run.add_argument(
         "--nnodes",
@@ -233,6 +286,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="with --elastic: replacements that may join a running job (default 0)",
+    )
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="with --elastic: seconds without an answer from the job before a host stops "
+        "(default 60)",
     )
     run.set_defaults(func=_run)
 

@@ -7,8 +7,8 @@ train, defined once.
 - :class:`CNN`: the shape of TensorFlow's CIFAR-10 multi-GPU trainer (seed 001), two
   conv-relu-pool blocks, two relu fully connected layers and a classifier, sized by a
   :class:`Shape`: :data:`DIGITS` for scikit-learn's 8x8 digits, :data:`CIFAR` for 3x32x32 images.
-- :func:`mlp`: the 784-1024-1024-10 MLP of the benchmarks (1.86 M parameters); it trains on
-  :func:`digits_flat`, the digits upscaled to 28x28 and flattened.
+- :func:`mlp`: the 784-1024-1024-10 MLP of the benchmarks (1.86 M parameters), which learns the
+  digits upscaled to 28x28 (:func:`digits_flat`).
 """
 
 from __future__ import annotations
@@ -125,12 +125,11 @@ def digits_data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tensor(digits.target, dtype=torch.int64)
 
 
-def digits_flat() -> tuple[torch.Tensor, torch.Tensor]:
-    """The digits of :func:`digits_data` upscaled to 28x28 (bilinear) and flattened to 784
-    values, the input of :func:`mlp`; labels as they are."""
+def digits_flat(side: int = 28) -> tuple[torch.Tensor, torch.Tensor]:
+    """The digits upscaled to ``side`` x ``side`` and flattened: :func:`mlp`'s 784 inputs."""
     x, y = digits_data()
-    big = nn.functional.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False)
-    return big.reshape(len(big), -1), y
+    big = nn.functional.interpolate(x, size=(side, side), mode="bilinear", align_corners=False)
+    return big.flatten(1), y
 
 
 def cross_entropy(model: nn.Module, shard: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -16,6 +16,7 @@ Gloo point-to-point otherwise, or with ``transport="gloo"``.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from ...comm.base import DistComm, PointToPoint
 from ...comm.group import DEFAULT_TIMEOUT, Connection, check_transport
 from ...comm.mailbox import ShmPointToPoint
 from ...comm.segment import ShmUnavailable
+from ...core.launch import read_launch
 from ...processes.env import set_process_name
 from ..broadcast import verify_same_model
 from ..job import EngineResult, Job
@@ -48,7 +50,7 @@ def run_ps(job: Job, conn: Connection, resume: dict[str, Any] | None) -> EngineR
     # Messages travel on the CPU over Gloo even when the towers compute on GPUs (NCCL has no
     # way to tell a receiver that its peer died); a Gloo group beside NCCL's serves them.
     group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    comm = DistComm(group)
+    comm = DistComm(group, secret=conn.secret)
     verify_same_model(job.model, comm)
     layout = Layout(job.model)
     towers = world - 1
@@ -60,17 +62,18 @@ def run_ps(job: Job, conn: Connection, resume: dict[str, Any] | None) -> EngineR
         server = Server(job, link, layout, towers, conn.device, mode.policy(towers), resume)
         result = server.run()
         if job.every_rank:
+            # As plain data: a job without a secret accepts nothing else (comm/objects.py).
             for t in sorted(set(range(towers)) - set(result.dead_workers)):
-                comm.send_object(result, t + 1)
+                comm.send_object(asdict(result), t + 1)
         return result
     set_process_name(f"towers-tower{rank - 1}")
     work(WorkerLink(messages, layout), job, mode.role(), rank - 1, towers, conn.device)
-    return comm.recv_object(0) if job.every_rank else None
+    return EngineResult(**comm.recv_object(0)) if job.every_rank else None
 
 
 def _messages(job: Job, comm: DistComm, size: int) -> PointToPoint:
     """Shared memory between the server and its workers on one host, else ``comm`` (Gloo)."""
-    transport = check_transport(job.transport)
+    transport = check_transport(job.transport, read_launch().transport)
     if transport not in ("auto", "shm"):
         return comm
     timeout = DEFAULT_TIMEOUT if job.timeout is None else job.timeout

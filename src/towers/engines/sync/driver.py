@@ -125,18 +125,32 @@ class SyncDriver:
             for b, saved in zip(self.model.buffers(), self._settled, strict=True):
                 b.copy_(saved)
 
-    def load_state(self, states: list[Any]) -> None:
-        """Restore the transform state of a checkpoint (one per rank, as :meth:`gather`)."""
+    def gather_streams(self) -> dict[str, list[Any]]:
+        """Every rank's random stream and transform state (a collective), for a checkpoint."""
         comm = self.group.comm
-        if len(states) == comm.world_size:
-            self.state = states[comm.rank]
-        else:  # another number of towers: each starts as a newcomer would
-            self.state = start_from(self.transform, states[0], self._plan().layouts)
-        self._sync().commit(self.state)
+        return {
+            "rng": comm.all_gather_object(torch.get_rng_state()),
+            "transform": comm.all_gather_object(self.state),
+        }
 
-    def gather(self) -> list[Any]:
-        """Every rank's transform state (a collective), for a checkpoint."""
-        return self.group.comm.all_gather_object(self.state)
+    def restore_streams(self, saved: dict[str, Any], reseed: int | None = None) -> None:
+        """This rank's random stream and transform state from :meth:`gather_streams`' record.
+
+        Saved with another number of ranks, the random stream is seeded with ``reseed`` (if
+        given) and the transform starts as a newcomer would.
+        """
+        comm = self.group.comm
+        rng, states = saved.get("rng"), saved.get("transform")
+        if rng is not None and len(rng) == comm.world_size:
+            torch.set_rng_state(rng[comm.rank])
+        elif rng is not None and reseed is not None:
+            torch.manual_seed(reseed)
+        if states is not None and self.plan is not None:
+            if len(states) == comm.world_size:
+                self.state = states[comm.rank]
+            else:
+                self.state = start_from(self.transform, states[0], self.plan.layouts)
+            self._sync().commit(self.state)
 
     @property
     def params(self) -> list[torch.Tensor]:

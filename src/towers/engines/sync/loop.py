@@ -20,6 +20,7 @@ import torch
 from ...comm.elastic import ElasticConnection
 from ...comm.group import Connection
 from ...core.data import BatchOrder, is_dataset, num_samples
+from ...core.launch import read_launch
 from ...core.split import split
 from ...core.step import StepResult
 from .. import checkpoint
@@ -145,17 +146,11 @@ class _Run:
 
     def _restore_streams(self) -> None:
         """This rank's random stream and transform state from the checkpoint resumed."""
-        state, comm = self.resume, self.group.comm
-        if not state:
-            return
-        rng = state.get("rng")
-        if rng is not None and len(rng) == comm.world_size:
-            torch.set_rng_state(rng[comm.rank])
-        elif rng is not None:  # resumed with another number of workers: fresh, reproducible
-            torch.manual_seed(self.job.seed + comm.rank + 1000 * state["step"])
-        if state.get("transform") is not None:
-            self.driver.load_state(state["transform"])
-        self.plan.restore(state, self.driver, self.replica)
+        if self.resume:
+            # resumed with another number of workers: fresh, but reproducible, streams
+            reseed = self.job.seed + self.group.comm.rank + 1000 * self.resume["step"]
+            self.driver.restore_streams(self.resume, reseed)
+            self.plan.restore(self.resume, self.driver, self.replica)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -237,17 +232,14 @@ class _Run:
         )
 
     def _save(self, done: int) -> None:
-        comm = self.group.comm
-        rng = comm.all_gather_object(torch.get_rng_state())
-        transform = self.driver.gather()
+        streams = self.driver.gather_streams()
         planned = self.plan.checkpoint(self.driver, self.replica)
-        if comm.rank != 0:
+        if self.group.comm.rank != 0:
             return
         payload = {
             "mode": str(self.job.mode),
             "data": self.order.state_dict(),
-            "rng": rng,
-            "transform": transform,
+            **streams,
             "record": asdict(self.record),
             **self.replica.state(),
             **planned,
@@ -304,7 +296,7 @@ def sync_loop(job: Job, conn: Connection, resume: dict[str, Any] | None) -> Engi
 
 def elastic_loop(job: Job, resume: dict[str, Any] | None, joining: bool) -> EngineResult:
     """Train ``job`` as one elastic worker; every worker returns the (identical) result."""
-    conn = ElasticConnection(job.transport or "auto", job.timeout, joining)
+    conn = ElasticConnection(read_launch(), job.transport or "auto", job.timeout, joining)
     group = ElasticGroup(conn)
     try:
         run = _Run(job, group, conn.id, resume)

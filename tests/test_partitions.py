@@ -1,0 +1,194 @@
+"""Network partitions in an elastic job across hosts: the link between two hosts cut mid-run.
+
+Two ``towers run --elastic --nnodes 2`` launchers, one worker each, in two network namespaces
+joined by a veth pair (tests/netns.py); the test takes host 1's end of the pair down (no packet
+passes, and no socket is told) for good, or for a few seconds. Whatever happens to host 1,
+host 0 trains on and ends with the parameters of a plain single-process loop
+(tests/scripts/elastic_loop.py writes them), and every host ends within the timeout, saying why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_close_lists
+from netns import Host, two_hosts
+
+SCRIPTS = Path(__file__).parent / "scripts"
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _launcher(host: Host, master: Host, rank: int, port: int, tmp: Path, steps: int,
+              timeout: float) -> subprocess.Popen[str]:  # fmt: skip
+    args = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"),
+            "-n", "1", "--elastic", "--nnodes", "2", "--node-rank", str(rank),
+            "--master-addr", master.addr, "--master-port", str(port), "--timeout", str(timeout),
+            "--", "--progress", str(tmp / "progress"), "--out", str(tmp / "out"),
+            "--steps", str(steps), "--sleep", "0.05", "--timeout", str(timeout)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOO_", "MASTER_"))}
+    env |= {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    return host.popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _reference(steps: int):
+    spec = importlib.util.spec_from_file_location("elastic_loop", SCRIPTS / "elastic_loop.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model = script.build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in script.batches(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, losses
+
+
+def _ours(tmp: Path) -> list[int]:
+    """Processes still running that belong to this test's job (found by their command line)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if str(tmp).encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _partition(tmp: Path, steps: int, timeout: float, blip: float | None):
+    """Run the job, cut host 1's link after a few steps (for ``blip`` seconds, or for good).
+
+    Returns each launcher's exit code, log and seconds from the cut to its exit, and the final
+    files of the workers that finished.
+    """
+    (tmp / "progress").mkdir()
+    (tmp / "out").mkdir()
+    port = random.randrange(20000, 30000)
+    with two_hosts() as (a, b):
+        nodes = [_launcher(a, a, 0, port, tmp, steps, timeout),
+                 _launcher(b, a, 1, port, tmp, steps, timeout)]  # fmt: skip
+        ended: list[float | None] = [None, None]
+        try:
+            deadline = time.monotonic() + 40
+            while sum(f.stat().st_size for f in (tmp / "progress").iterdir()) < 16:
+                assert time.monotonic() < deadline, "the job made no progress"
+                assert all(n.poll() is None for n in nodes), [n.communicate() for n in nodes]
+                time.sleep(0.02)
+            b.cut()
+            cut = time.monotonic()
+            if blip is not None:
+                time.sleep(blip)
+                b.mend()
+            while None in ended and time.monotonic() < cut + 60:
+                for i, node in enumerate(nodes):
+                    if ended[i] is None and node.poll() is not None:
+                        ended[i] = time.monotonic() - cut
+                time.sleep(0.05)
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+            logs = [node.communicate()[0] for node in nodes]
+        left = _ours(tmp)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], logs
+    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp / "out").glob("*.pt")}
+    return [n.returncode for n in nodes], logs, ended, finals
+
+
+def _check_trained(final: dict, steps: int, worlds: set[int]) -> None:
+    model, losses = _reference(steps)
+    assert final["steps"] == steps
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(final["model"][name], value, rtol=1e-5, atol=1e-6)
+    assert_close_lists(final["losses"], losses)
+    assert set(final["world"]) == worlds, final["world"]
+
+
+@pytest.mark.timeout(90)
+def test_a_host_cut_off_for_good_stops_within_the_timeout(tmp_path):
+    """Host 0 drops host 1 after 5 s and trains on; host 1 stops after the timeout, saying so."""
+    codes, logs, ended, finals = _partition(tmp_path, steps=90, timeout=8, blip=None)
+    why = "\n".join(log[-3000:] for log in logs)
+    assert codes == [0, 1], why
+    assert ended[1] is not None and ended[1] < 8 + 6, (ended, why)
+    line = r"towers run \(node 1, host [^)]+\): lost contact with the job at \d\d:\d\d:\d\d: "
+    line += r"node 0's store at 10\.77\.\d+\.1:\d+ has not answered for 8 s \(the timeout\)"
+    assert len(re.findall(line, logs[1])) == 1, why
+    assert "node 1's launcher has been silent for 5 s; its workers [1] are lost" in logs[0]
+    assert "failed" not in logs[0] + logs[1], why
+    assert set(finals) == {0}, why
+    _check_trained(finals[0], 90, {2, 1})
+    print(f"host 1 stopped {ended[1]:.1f} s after the cut (timeout 8 s)")
+
+
+@pytest.mark.timeout(90)
+def test_a_blip_shorter_than_a_node_s_silence_goes_unnoticed(tmp_path):
+    """The link down for 2 s (TCP resends after 3 s): both hosts finish, nobody is dropped."""
+    codes, logs, _, finals = _partition(tmp_path, steps=60, timeout=20, blip=2.0)
+    why = "\n".join(log[-3000:] for log in logs)
+    assert codes == [0, 0], why
+    assert set(finals) == {0, 1}, why
+    for final in finals.values():
+        _check_trained(final, 60, {2})
+    gap = max(b - a for a, b in zip(finals[0]["times"], finals[0]["times"][1:]))
+    assert gap >= 2.0, gap  # the blip did stall the job
+    print(f"longest step through the blip: {gap:.1f} s")
+
+
+@pytest.mark.timeout(90)
+def test_a_host_dropped_during_a_blip_stops_with_its_own_line(tmp_path):
+    """The link down for 6.5 s: host 0 drops host 1 after 5 s and trains on; host 1, when the
+    link is back, learns that it was dropped and stops with a line of its own, not as a failed
+    worker (which used to stop host 0 as well)."""
+    codes, logs, ended, finals = _partition(tmp_path, steps=240, timeout=20, blip=6.5)
+    why = "\n".join(log[-3000:] for log in logs)
+    assert codes == [0, 1], why
+    line = r"towers run \(node 1\): this node \(host [^)]+\) was dropped from the job at "
+    line += r"\d\d:\d\d:\d\d: node 0 heard nothing from its towers run for 5 s"
+    assert len(re.findall(line, logs[1])) == 1, why
+    assert "failed" not in logs[0] + logs[1], why
+    assert "Traceback" not in logs[1], why
+    assert ended[1] < 20, (ended, why)  # back before the timeout: it learnt it was dropped
+    assert set(finals) == {0}, why
+    _check_trained(finals[0], 240, {2, 1})
+
+
+def test_a_dropped_worker_stops_with_one_line_saying_when_and_why():
+    """What a worker of a host that node 0 dropped sees once the link is back: not a member of
+    the next generation, and why (written by node 0 before it published that generation)."""
+    from towers.comm.membership import Dropped, Membership, key
+    from towers.comm.net import free_port
+    from towers.processes.elastic import _host_store
+
+    port = free_port("127.0.0.1")
+    store = _host_store("127.0.0.1", port, 10, None)
+    store.set(key(0, "members"), "[0]")
+    store.set("lost/1", '{"at": 0, "why": "node 1\'s towers run was silent for 5 s"}')
+    member = Membership("127.0.0.1", port, 1, 10)
+    try:
+        with pytest.raises(Dropped) as dropped:
+            member.enter(0)
+    finally:
+        member.close()
+    assert isinstance(dropped.value, SystemExit)  # no `except Exception` keeps it training
+    when = time.strftime("%H:%M:%S", time.localtime(0))
+    assert str(dropped.value) == (
+        f"towers: worker 1 was dropped from the job at {when} (node 1's towers run was silent "
+        "for 5 s); the others train on without it. This worker stops"
+    )
