@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -387,7 +390,7 @@ def own_loop_case(case: str, tmp: str):
     """One case of the own loop in a fresh job: its ``ctx.steps`` count from 0."""
     ctx = towers.init()
     if case == "plain":
-        out = _loop(ctx, "diloco:3", 8), _skip(ctx), _errors(ctx)
+        out = _loop(ctx, "diloco:3", 8), _skip(ctx), _errors(ctx), _evaluate(ctx)
     elif case == "overlap":
         out = _loop(ctx, "diloco:4:overlap:2", 8)
     elif case == "interrupted":  # stopped after the save at step 5
@@ -409,6 +412,21 @@ def _skip(ctx):
             next(model.parameters()).fill_(math.inf)
     bad = [ctx.step(mse(model, s), opt) for s in ctx.shards(LOOP_BATCHES[2:4])]
     return first[-1], bad[-1], all(torch.equal(p, q) for p, q in zip(model.parameters(), kept))
+
+
+def _evaluate(ctx):
+    """ctx.evaluate of the replicated model right after an outer step, mid-period, and of a
+    copy of this tower's own parameters mid-period."""
+    model = ctx.replicate(make_net(), mode="diloco:2")
+    opt = ADAM(model.parameters())
+    metrics = functools.partial(ctx.evaluate, data=DATA, fn=lambda m, b: {"loss": mse(m, b)})
+    out = []
+    for shard in ctx.shards(LOOP_BATCHES[:3]):
+        ctx.step(mse(model, shard), opt)
+        out.append(metrics(model, batch_size=16))
+    out.append(metrics(copy.deepcopy(model), batch_size=16))
+    ctx.end_period()
+    return out
 
 
 def _errors(ctx):
@@ -452,6 +470,10 @@ def test_the_own_loop_takes_outer_steps_every_h_steps(tmp_path):
                 errors = out[2]
                 assert "in DiLoCo each tower steps alone between outer steps" in errors[0]
                 assert "an own loop trains mode='sync' or 'diloco:H', not 'async'" in errors[1]
+                # mid-period, ctx.evaluate(model) evaluates the outer parameters: those of the
+                # outer step before, not this tower's own, which have moved on
+                _, at_outer, mid, own = out[3]
+                assert mid == at_outer and own["loss"] != mid["loss"]
 
 
 @pytest.mark.timeout(120)
@@ -462,6 +484,31 @@ def test_the_own_loop_resumes_exactly_mid_period(tmp_path):
     for got, want in zip(resumed, whole, strict=True):
         for p, q in zip(got[0], want[0][0], strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+def test_the_own_loop_under_towers_run_elastic_drops_a_lost_workers_period(tmp_path):
+    script = Path(__file__).parent / "scripts" / "diloco_loop.py"
+    cmd = [sys.executable, "-m", "towers", "run", str(script), "-n", "3", "--elastic", "--"]
+    cmd += ["--out", str(tmp_path), "--victim", "1", "--die-at", "5"]
+    env = {**os.environ, "PYTHONPATH": str(Path(towers.__file__).parents[1])}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in tmp_path.glob("final-*.pt")}
+    assert set(finals) == {0, 2}
+    spec = importlib.util.spec_from_file_location("diloco_loop", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    periods = [Period(0, 3, [0, 1, 2]), Period(4, 3, [0, None, 2]), Period(8, 2, [0, 2])]
+    mse_loss = lambda model, shard: nn.functional.mse_loss(model(shard[0]), shard[1])  # noqa: E731
+    want = reference(module.build(), None, batch_size=21, steps=12, every=4, periods=periods,
+                     batches=module.batches(12), loss_fn=mse_loss)  # fmt: skip
+    for final in finals.values():
+        for name, value in want.outer.state_dict().items():
+            torch.testing.assert_close(final["model"][name], value, rtol=1e-5, atol=1e-6)
+        # the second outer step was taken by the two survivors, weighted by their samples
+        assert [(s, w) for s, w, _ in final["outer"]] == [(4, 3), (8, 2), (12, 2)]
+        assert final["outer"][1][2] == [28, 28]  # 4 global batches of 7 samples each
 
 
 # -- bad input -------------------------------------------------------------------------------

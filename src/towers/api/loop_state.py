@@ -81,9 +81,10 @@ class LoopState:
     def exchange(self, group: Group, driver: SyncDriver, final: bool) -> StepResult | None:
         """The exchange the plan owes after :attr:`steps` (``final``: the loop is over), redone
         until done; the last outer step's result, if any."""
-        outer, plan, steps, comm = None, self.plan, self.steps, group.comm
+        outer, plan, steps = None, self.plan, self.steps
         while plan.owes(steps, steps if final else None):
             calling(f"the outer step (step {steps})")
+            comm = group.comm  # a new one after a regroup
             stamp = BatchStamp(comm.world_size).pack(comm.rank, steps, None, None)
             run = functools.partial(plan.exchange, driver, steps, final=final, stamp=stamp)
             outer = group.attempt(driver, run) or outer
