@@ -48,6 +48,7 @@ from .loop_files import load_loop, save_loop
 from .loop_state import LoopState
 from .make import reduction
 from .mistakes import (
+    BACKWARD_IN_DILOCO,
     BACKWARD_TWICE,
     refuse_distributed_sampler,
     refuse_wrapped_model,
@@ -249,17 +250,13 @@ class Context:
         finally:
             self._shard_samples, self._batch, self._accumulated = None, None, False
         if result is not None:
-            outer = self._exchange(final=False)
+            outer = state.exchange(self._group, self._driver, final=False)
             return result if outer is None else outer
         self._driver.zero_grad()
         if state.steps > before and state.last is not None:  # a peer had completed it
             return state.last
         state.redo = True
         return StepResult(math.nan, [], [], skipped=True, redo=True)
-
-    def _exchange(self, final: bool) -> StepResult | None:
-        """The exchange the mode owes now, if any (DiLoCo's outer step), redone until done."""
-        return self._state.exchange(self._group, self._driver, final)
 
     def end_period(self) -> StepResult | None:
         """``"diloco:H"``: exchange and take the outer step now, whatever is left of the period
@@ -268,7 +265,7 @@ class Context:
         Afterwards the model holds the outer parameters on every rank. Returns the last outer
         step's result (``None`` in sync mode, or if nothing was left to exchange).
         """
-        return self._exchange(final=True)
+        return self._state.exchange(self._group, self._driver, final=True)
 
     def backward(self, loss: torch.Tensor | None, samples: int | None = None) -> StepResult:
         """Backward ``loss`` and leave the global batch's gradient in every ``.grad``.
@@ -299,10 +296,7 @@ class Context:
                 "by a lost worker must be redone inside ctx.step); use ctx.step(loss, optimizer)"
             )
         if not isinstance(self._state.plan, EveryStep):
-            raise ValueError(
-                "ctx.backward() leaves every step's averaged gradients in .grad, but in DiLoCo "
-                "each tower steps alone between outer steps: use ctx.step(loss, optimizer)"
-            )
+            raise ValueError(BACKWARD_IN_DILOCO)
         return self._run_step(loss, samples, None)
 
     def step(
