@@ -265,8 +265,10 @@ def test_backup_policy_applies_the_first_shards_and_drops_the_late_one():
 
 def test_local_policy_averages_once_every_live_tower_sent_its_parameters():
     s, p = ServerState.fresh(towers=3, steps=1), LocalPolicy(towers=3)
-    assert _decide(p.serve, s, 0) == [Refill(), HandOut(0, params=True)]
-    assert _decide(p.serve, s, 0) == [Refill(), HandOut(0, params=False)]  # it holds them
+    # tower t takes shard t of each global batch (a lost tower's first): diloco:K's shards
+    assert _decide(p.serve, s, 0) == [Refill(until=0), HandOut(0, params=True, pick=0)]
+    held = [Refill(until=0), HandOut(0, params=False, pick=0)]  # it holds the parameters
+    assert _decide(p.serve, s, 0) == held
     one = _result(0, Shard(0, 0, 5), aux=0, payload=False, loss=2.0)
     assert _decide(p.on_result, s, one) == [Record(0, 0, 2.0, 5), Stale(0), Idle(0), ShardDone(0)]
     kth = _result(1, Shard(0, 1, 5), aux=3, weight=20, loss=1.0)  # its K-th step: it waits
@@ -290,7 +292,8 @@ def test_local_policy_averages_once_every_live_tower_sent_its_parameters():
     assert sorted(idle, key=lambda a: a.tower) == [Idle(1), Idle(2)]
     assert p.checkpointable(s) and not p.checkpointable(s)  # once, right after the average
     s.next_step = 0
-    assert _decide(p.serve, s, 1) == [Refill(), HandOut(1, params=True)]  # the average
+    average = [Refill(until=1), HandOut(1, params=True, pick=1)]  # the average
+    assert _decide(p.serve, s, 1) == average
     assert not p.finished(s) and p.server_optimizer is False
     s.final = True
     assert p.finished(s) and _decide(p.settle, s) == []

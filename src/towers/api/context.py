@@ -34,22 +34,27 @@ from ..core.agree import BatchStamp, fingerprint, mean_vector, weighted_means
 from ..core.data import take
 from ..core.split import batch_size, map_batch, split
 from ..core.step import StepResult
-from ..engines import checkpoint
 from ..engines.evaluate import combine, evaluate_part
-from ..engines.replica import check_loss, cpu_state
+from ..engines.job import OptimizerFactory
+from ..engines.replica import Replica, check_loss
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.gradsync import DEFAULT_BUCKET_BYTES
 from ..engines.sync.group import Group
+from ..engines.sync.mode import plan_for
+from ..engines.sync.plan import EveryStep
 from ..engines.syncbn import convert_batchnorm
 from ..engines.transforms import GradientTransform
+from .loop_files import load_loop, save_loop
 from .loop_state import LoopState
 from .make import reduction
 from .mistakes import (
+    BACKWARD_IN_DILOCO,
     BACKWARD_TWICE,
     refuse_distributed_sampler,
     refuse_wrapped_model,
     warn_unsynced_buffers,
 )
+from .validate import averages_buffers, check_mode_options, loop_mode
 
 __all__ = ["Context"]
 
@@ -103,6 +108,8 @@ class Context:
         sync_batchnorm: bool = False,
         transform: GradientTransform | None = None,
         compress: str | None = None,
+        mode: str = "sync",
+        outer_optimizer: OptimizerFactory | None = None,
     ) -> nn.Module:
         """Give every rank rank 0's parameters and buffers, and attach the averaging hooks.
 
@@ -122,6 +129,11 @@ class Context:
                 :mod:`towers.transforms`); default: a plain sum. Every rank passes the same.
             compress: a compression by name, as ``towers.train``'s (``"bf16"``, ``"fp16"``,
                 ``"int8"``, ``"powersgd:R"``); not with ``transform``.
+            mode: ``"sync"``, or ``"diloco:H"`` (and its ``:overlap`` forms, docs/diloco.md):
+                each :meth:`step` is then an inner step of this tower alone, and every H-th
+                also the outer step over all towers; call :meth:`end_period` after the loop.
+            outer_optimizer: ``"diloco:H"``: ``params -> Optimizer`` for the outer steps;
+                default Nesterov SGD with lr 0.7 and momentum 0.9.
 
         Returns:
             ``model`` itself, moved to :attr:`device`.
@@ -129,14 +141,18 @@ class Context:
         if not isinstance(model, nn.Module):
             raise TypeError(f"replicate() needs an nn.Module, got {type(model).__name__}")
         refuse_wrapped_model(model, "ctx.replicate()")
+        parsed = loop_mode(mode)
+        check_mode_options(parsed, model, sync_batchnorm, self._group.elastic, outer_optimizer)
         if sync_batchnorm:
             convert_batchnorm(model, self._group)
-        elif self.world_size > 1:
+        elif self.world_size > 1 and not averages_buffers(parsed):
             warn_unsynced_buffers(model, "ctx.replicate(model, sync_batchnorm=True)")
         transform = reduction(transform, compress, model)
         self._state.model = model
+        self._state.plan = plan_for(parsed, outer_optimizer)
         self._driver = SyncDriver(self._group, transform, owner=self._state)
-        return self._driver.replicate(model, bucket_bytes)
+        breaks = self._state.plan.attach(model.to(self.device))
+        return self._driver.replicate(model, bucket_bytes, breaks)
 
     def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         """This tower's shard of each global batch (see :func:`towers.split`), on :attr:`device`.
@@ -223,7 +239,7 @@ class Context:
             self._backward(loss, weight)
 
         def one() -> StepResult:
-            result = self._driver.step(backward, stamp=stamp, optimizer=optimizer)
+            result = state.plan.step(self._driver, backward, optimizer, state.steps, stamp=stamp)
             state.steps += 1
             state.last = result
             return result
@@ -234,12 +250,22 @@ class Context:
         finally:
             self._shard_samples, self._batch, self._accumulated = None, None, False
         if result is not None:
-            return result
+            outer = state.exchange(self._group, self._driver, final=False)
+            return result if outer is None else outer
         self._driver.zero_grad()
         if state.steps > before and state.last is not None:  # a peer had completed it
             return state.last
         state.redo = True
         return StepResult(math.nan, [], [], skipped=True, redo=True)
+
+    def end_period(self) -> StepResult | None:
+        """``"diloco:H"``: exchange and take the outer step now, whatever is left of the period
+        (an overlapped exchange included); every rank calls it, once its loop is done.
+
+        Afterwards the model holds the outer parameters on every rank. Returns the last outer
+        step's result (``None`` in sync mode, or if nothing was left to exchange).
+        """
+        return self._state.exchange(self._group, self._driver, final=True)
 
     def backward(self, loss: torch.Tensor | None, samples: int | None = None) -> StepResult:
         """Backward ``loss`` and leave the global batch's gradient in every ``.grad``.
@@ -269,6 +295,8 @@ class Context:
                 "ctx.backward() is not available under towers run --elastic (a step interrupted "
                 "by a lost worker must be redone inside ctx.step); use ctx.step(loss, optimizer)"
             )
+        if not isinstance(self._state.plan, EveryStep):
+            raise ValueError(BACKWARD_IN_DILOCO)
         return self._run_step(loss, samples, None)
 
     def step(
@@ -324,7 +352,8 @@ class Context:
         gets the sample-weighted metrics one process would compute (as ``train(eval_data=)``).
 
         Args:
-            model: the model to evaluate (e.g. the one :meth:`replicate` returned).
+            model: the model to evaluate (e.g. the one :meth:`replicate` returned; in DiLoCo
+                that one is evaluated with the outer parameters, the ones every rank shares).
             data: the evaluation samples.
             fn: ``fn(model, batch) -> {name: mean over the batch}`` (tensors or numbers).
             batch_size: samples per chunk, all ranks together.
@@ -343,6 +372,7 @@ class Context:
         def batches(data: Any, parts: list[torch.Tensor]) -> Iterator[Any]:
             return (take(data, indices, collate_fn) for indices in parts)
 
+        model = self._state.evaluated(model)
         part = evaluate_part(
             model, data, fn, batch_size, self.device, self.rank, self.world_size, batches, "fn"
         )
@@ -361,22 +391,14 @@ class Context:
         """Save the training state of ``step`` (steps done) to ``directory``; call on every rank.
 
         Rank 0 writes ``step-NNNNNNNN.pt`` atomically (temporary file, then rename) with the
-        model, optimizer and schedule state, every rank's RNG state and gradient-transform state
-        and ``extra`` (tensors and plain values only); the two newest checkpoints are kept. A
+        model, optimizer and schedule state, every rank's RNG state and gradient-transform state,
+        the mode's own (DiLoCo: outer parameters and optimizer, every rank's inner state) and
+        ``extra`` (tensors and plain values only); the two newest checkpoints are kept. A
         write that fails (a full disk) warns and training goes on: the state is still in memory.
         """
         self.comm.agree_call(f"ctx.save_checkpoint(step {step})")
-        streams = self._driver.gather_streams()
-        if not self.is_main:
-            return
-        payload = {
-            "model": cpu_state(model),
-            "optimizer": optimizer.state_dict(),
-            "schedule": schedule.state_dict() if schedule is not None else None,
-            **streams,
-            "extra": extra or {},
-        }
-        checkpoint.save_or_warn(directory, step, "loop", payload)
+        replica = Replica(model, optimizer, schedule)
+        save_loop(directory, step, self._driver, self._state.plan, replica, extra)
 
     def load_checkpoint(
         self,
@@ -394,15 +416,12 @@ class Context:
         Raises:
             ValueError: if ``directory`` holds checkpoints of ``towers.train``, not of a loop.
         """
-        state = checkpoint.load_latest(directory, "loop")
-        if state is None:
+        replica = Replica(model, optimizer, schedule)
+        loaded = load_loop(directory, self._driver, self._state.plan, replica)
+        if loaded is None:
             return 0, {}
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if schedule is not None and state["schedule"] is not None:
-            schedule.load_state_dict(state["schedule"])
-        self._driver.restore_streams(state)
-        return state["step"], state["extra"]
+        self._state.steps = loaded[0]  # where the mode's periods continue
+        return loaded
 
     def barrier(self) -> None:
         self.comm.agree_call("ctx.barrier")

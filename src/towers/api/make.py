@@ -25,8 +25,10 @@ from .epochs import announce_epochs
 from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
 from .options import check_options, preflight_eval, refuse_loader
 from .validate import (
+    averages_buffers,
     check_arguments,
     check_elastic,
+    check_mode_options,
     check_picklable,
     check_straggle,
     check_workers,
@@ -89,7 +91,13 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     check_workers(mode, workers, launched)
     batch_size, accumulate = args["batch_size"], args["accumulate"]
     announce_epochs(mode, args["epochs"], n, batch_size, workers, launch.rank)
-    check_sync_batchnorm(args["sync_batchnorm"], model, mode, workers, n, batch_size, accumulate)
+    check_mode_options(
+        mode, model, args["sync_batchnorm"], args["elastic"], args["outer_optimizer"]
+    )
+    if args["sync_batchnorm"] or not averages_buffers(mode):
+        check_sync_batchnorm(
+            args["sync_batchnorm"], model, mode, workers, n, batch_size, accumulate
+        )
     if not launched and (workers > 1 or mode.servers or args["max_restarts"]):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
     check_elastic(args["elastic"], mode, args["transport"], launch)
@@ -110,6 +118,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
         sync_batchnorm=bool(args["sync_batchnorm"]),
         elastic=bool(args["elastic"]),
         transform=reduction(args["transform"], args["compress"], model, mode),
+        outer_optimizer=args["outer_optimizer"],
         **{k: args[k] for k in _AS_GIVEN},
     )
     preflight(job, workers)
@@ -157,9 +166,9 @@ def reduction(transform: Any, compress: Any, model: Any, mode: Mode | None = Non
         )
     if mode is not None and mode.engine is not Engine.SYNC:
         raise ValueError(
-            f"{given} applies to mode='sync' (it reduces each bucket of a synchronous step); "
-            f"mode {str(mode)!r} sends every tower's gradient to the parameter server: drop "
-            f"{given} or train in sync mode"
+            f"{given} applies to mode='sync' and 'diloco:H' (it reduces each bucket of a "
+            f"synchronous step); mode {str(mode)!r} sends every tower's gradient to the "
+            f"parameter server: drop {given} or train in sync mode"
         )
     if compress is not None:
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]

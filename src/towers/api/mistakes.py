@@ -16,6 +16,7 @@ from ..core.messages import shorten
 from ..core.modes import Engine
 
 __all__ = [
+    "BACKWARD_IN_DILOCO",
     "BACKWARD_TWICE",
     "check_sync_batchnorm",
     "has_batchnorm",
@@ -26,6 +27,10 @@ __all__ = [
     "warn_unsynced_buffers",
 ]
 
+BACKWARD_IN_DILOCO = (
+    "ctx.backward() leaves every step's averaged gradients in .grad, but in DiLoCo each tower "
+    "steps alone between outer steps: use ctx.step(loss, optimizer)"
+)
 BACKWARD_TWICE = (
     "the parameters already hold gradients when ctx.backward()/ctx.step() starts. Either "
     "loss.backward() was called first: remove it, because ctx.backward(loss) and ctx.step(loss, "

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..core.modes import Engine, parse_mode
+
 __all__ = ["TrainResult", "warn_if_untrained"]
 
 
@@ -69,8 +71,9 @@ class TrainResult:
 
     @property
     def updates(self) -> int:
-        """Parameter updates applied (sync: steps not skipped)."""
-        if self.mode == "sync":
+        """Parameter updates applied (sync: steps not skipped; diloco: each tower's inner
+        steps, one per global batch, not skipped)."""
+        if parse_mode(self.mode).engine is Engine.SYNC:
             return self.steps - len(self.skipped)
         return len(self.staleness)
 

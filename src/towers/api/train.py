@@ -77,6 +77,7 @@ def train(
     elastic: bool = False,
     transform: GradientTransform | None = None,
     compress: str | None = None,
+    outer_optimizer: OptimizerFactory | None = None,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -112,6 +113,11 @@ def train(
             parameters averaged, weighted by samples, every K steps and at the end);
             ``"backup:B"`` (synchronous; each step applies the first ``workers - B`` shards to
             arrive and drops the rest). A dead worker does not stop the asynchronous modes.
+            ``"diloco:H"`` (DiLoCo: each worker takes H steps alone with ``optimizer``, then
+            the workers average their pseudo-gradients, weighted by samples, over all-reduce
+            and ``outer_optimizer`` steps the shared parameters; ``"diloco:H:overlap"`` lets
+            that exchange travel during the next H steps, ``"diloco:H:overlap:P"`` exchanges
+            the model in P fragments; see docs/diloco.md).
             In a job started by ``towers run --mode M``, the default ``"sync"`` becomes ``M``.
         optimizer: ``params -> Optimizer``; default SGD with lr 0.01.
         lr_schedule: ``optimizer -> LRScheduler``, stepped once per global batch, or once per
@@ -180,6 +186,11 @@ def train(
             a value, with error feedback), ``"powersgd:R"`` (rank-R factors of every weight
             matrix, with error feedback and warm start; see docs/compression.md). Each gives up
             some exactness for fewer bytes; ``None`` (default) sends every value exactly.
+            In mode ``"diloco:H"`` it compresses the pseudo-gradients.
+        outer_optimizer: mode ``"diloco:H"``: ``params -> Optimizer`` for the outer steps,
+            which take the towers' mean pseudo-gradient as their gradient; default Nesterov
+            SGD with lr 0.7 and momentum 0.9 (DiLoCo's). ``functools.partial(torch.optim.SGD,
+            lr=1.0)`` makes each outer step the plain average of the towers' parameters.
 
     Returns:
         A :class:`TrainResult`.

@@ -21,20 +21,25 @@ from ..comm.group import TRANSPORTS
 from ..core.data import global_batches, num_samples, take
 from ..core.launch import Launch
 from ..core.messages import shorten
-from ..core.modes import Engine, Mode
+from ..core.modes import Engine, Mode, parse_mode
 from ..core.split import leaves, split
 from ..engines.job import Job
 from ..engines.replica import check_loss
+from ..engines.sync.mode import SyncMode
 from ..processes.env import cpu_count
 from ..processes.pack import check_picklable as pickles
 
 __all__ = [
+    "averages_buffers",
     "check_arguments",
     "check_elastic",
+    "check_mode_options",
+    "check_outer_optimizer",
     "check_picklable",
     "check_straggle",
     "check_workers",
     "launched_workers",
+    "loop_mode",
     "positive_int",
     "preflight",
     "warn_non_finite",
@@ -135,6 +140,50 @@ def check_workers(mode: Mode, workers: int, launched: bool = False) -> None:
         )
 
 
+def check_mode_options(
+    mode: Mode, model: nn.Module, sync_batchnorm: Any, elastic: Any, outer_optimizer: Any
+) -> None:
+    """``ValueError`` for options ``mode`` cannot serve (``outer_optimizer=`` without outer
+    steps, ``sync_batchnorm=True`` or ``elastic=True`` where the mode refuses them)."""
+    if outer_optimizer is not None:
+        if not (isinstance(mode, SyncMode) and mode.outer_steps):
+            raise ValueError(
+                f"outer_optimizer= applies to mode='diloco:H' (the optimizer of its outer "
+                f"steps); mode {str(mode)!r} has no outer steps: drop outer_optimizer= or "
+                "train with mode='diloco:H'"
+            )
+        check_outer_optimizer(outer_optimizer)
+    if isinstance(mode, SyncMode):
+        mode.check_options(model, sync_batchnorm=sync_batchnorm is True, elastic=elastic is True)
+
+
+def loop_mode(mode: Any) -> Mode:
+    """The mode an own loop's ``ctx.replicate(model, mode=...)`` names: a synchronous one."""
+    parsed = parse_mode(mode)
+    if parsed.engine is not Engine.SYNC:
+        raise ValueError(
+            f"an own loop trains mode='sync' or 'diloco:H', not {mode!r} (the parameter "
+            "server's modes run in towers.train)"
+        )
+    return parsed
+
+
+def check_outer_optimizer(factory: Any) -> None:
+    """``TypeError`` unless ``factory`` builds an optimizer (``params -> Optimizer``)."""
+    _check_factory(
+        "outer_optimizer",
+        factory,
+        [torch.nn.Parameter(torch.zeros(1))],
+        torch.optim.Optimizer,
+        "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)",
+    )
+
+
+def averages_buffers(mode: Mode) -> bool:
+    """Whether ``mode`` averages the towers' BatchNorm statistics itself (DiLoCo does)."""
+    return isinstance(mode, SyncMode) and mode.averages_buffers
+
+
 def warn_non_finite(data: Any) -> None:
     """Say up front which samples hold NaN or Inf: the steps that meet them will be skipped."""
     bad = None
@@ -147,7 +196,8 @@ def warn_non_finite(data: Any) -> None:
         shown = ", ".join(map(str, samples[:5])) + (", ..." if len(samples) > 5 else "")
         warnings.warn(
             f"data holds NaN or Inf in {len(samples)} sample(s) ({shown}); every step whose "
-            "global batch holds one is skipped on all towers and listed in TrainResult.skipped",
+            "global batch holds one is skipped on all towers and listed in TrainResult.skipped "
+            "(in mode 'diloco:H', by the tower whose shard holds it)",
             RuntimeWarning,
             stacklevel=5,
         )

@@ -56,6 +56,28 @@ class Mode:
     def check_workers(self, workers: int) -> None:
         """``ValueError`` if this mode cannot train with ``workers`` computing towers."""
 
+    @classmethod
+    def parse(cls, mode: str, arg: str | None) -> Mode:
+        """The mode ``mode`` names, given the text after its name's colon (``None``: no colon).
+
+        The default reads one integer of at least :attr:`minimum`; a mode with options of its
+        own overrides this (and ``__str__``, which must give back what this parses).
+        """
+        name = cls.name
+        if cls.meaning is None:
+            if arg is not None:
+                raise ValueError(f"mode {name!r} takes no argument, got {mode!r}")
+            return cls()
+        try:
+            value = int(arg or "")
+        except ValueError:
+            raise ValueError(
+                f"mode {name!r} needs an integer argument {cls.meaning}; got {mode!r}"
+            ) from None
+        if value < cls.minimum:
+            raise ValueError(f"mode {name!r} needs {cls.meaning}; got {mode!r}")
+        return cls(value)
+
 
 # name -> mode class, in the order the error messages list them
 MODES: dict[str, type[Mode]] = {}
@@ -92,16 +114,4 @@ def parse_mode(mode: str) -> Mode:
     cls = MODES.get(name)
     if cls is None:
         raise ValueError(f"unknown mode {mode!r}; valid modes are {_valid()}")
-    if cls.meaning is None:
-        if sep:
-            raise ValueError(f"mode {name!r} takes no argument, got {mode!r}")
-        return cls()
-    try:
-        value = int(arg)
-    except ValueError:
-        raise ValueError(
-            f"mode {name!r} needs an integer argument {cls.meaning}; got {mode!r}"
-        ) from None
-    if value < cls.minimum:
-        raise ValueError(f"mode {name!r} needs {cls.meaning}; got {mode!r}")
-    return cls(value)
+    return cls.parse(mode.strip(), arg if sep else None)

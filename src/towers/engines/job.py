@@ -84,6 +84,7 @@ class Job:
     num_workers: int = 0  # data-loading processes per tower
     sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (engines/syncbn.py)
     transform: GradientTransform | None = None  # how a bucket is reduced; None: a plain sum
+    outer_optimizer: OptimizerFactory | None = None  # diloco's outer steps; None: the default
 
     @property
     def asynchronous(self) -> bool:

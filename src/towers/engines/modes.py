@@ -11,23 +11,29 @@ an engine is.
 
 from __future__ import annotations
 
-from typing import cast
+from dataclasses import dataclass
+from typing import Any, cast
 
-from ..core.modes import Engine, Mode, register
+from torch import nn
+
+from ..core.modes import register
+from .job import OptimizerFactory
 from .ps.mode import ServerMode
 from .ps.policies import AsyncPolicy, BackupPolicy, LocalPolicy, Policy, SspPolicy
 from .ps.worker import LocalSteps, Role
+from .sync.diloco import Periods
+from .sync.mode import SyncMode
+from .sync.plan import StepPlan
 
-__all__ = ["Async", "Backup", "Local", "Ssp", "Sync"]
+__all__ = ["Async", "Backup", "Diloco", "Local", "Ssp", "Sync"]
 
 
 @register
-class Sync(Mode):
+class Sync(SyncMode):
     """``sync``: every tower computes its shard, the towers average their gradients
     (sample-weighted) and all take the same step."""
 
     name = "sync"
-    engine = Engine.SYNC
 
 
 @register
@@ -84,3 +90,90 @@ class Backup(ServerMode):
 
     def policy(self, towers: int) -> Policy:
         return BackupPolicy(cast(int, self.arg), towers)
+
+
+_DILOCO_FORMS = "'diloco:H', 'diloco:H:overlap' or 'diloco:H:overlap:P'"
+
+
+@register
+@dataclass(frozen=True)
+class Diloco(SyncMode):
+    """``diloco:H``: each tower takes H steps alone, then an outer step on the towers'
+    averaged pseudo-gradients (docs/diloco.md). ``diloco:H:overlap``: the exchange travels
+    while the next H steps run (Streaming DiLoCo); ``diloco:H:overlap:P``: the model is
+    exchanged in P fragments, one every H / P steps."""
+
+    name = "diloco"
+    meaning = "H, the inner steps between outer steps (>= 1)"
+    minimum = 1
+    outer_steps = True
+    averages_buffers = True
+
+    overlap: bool = False
+    fragments: int = 1
+
+    def __str__(self) -> str:
+        text = f"{self.name}:{self.arg}"
+        if self.overlap:
+            text += ":overlap" + (f":{self.fragments}" if self.fragments > 1 else "")
+        return text
+
+    @classmethod
+    def parse(cls, mode: str, arg: str | None) -> Diloco:
+        head, sep, rest = (arg or "").partition(":")
+        every = cast(int, super().parse(mode, head if arg is not None else None).arg)
+        if not sep:
+            return cls(every)
+        option, sep, parts = rest.partition(":")
+        if option != "overlap":
+            raise ValueError(
+                f"mode {mode!r}: unknown option {option!r}; DiLoCo modes are written "
+                f"{_DILOCO_FORMS} (P fragments, a divisor of H)"
+            )
+        if not sep:
+            return cls(every, overlap=True)
+        try:
+            fragments = int(parts)
+        except ValueError:
+            fragments = 0
+        if fragments < 1 or every % fragments:
+            raise ValueError(
+                f"mode {mode!r}: the fragments P must be an integer >= 1 that divides "
+                f"H={every} (one fragment is exchanged every H / P steps); got {parts!r}"
+            )
+        return cls(every, overlap=True, fragments=fragments)
+
+    def plan(self, outer_optimizer: OptimizerFactory | None = None) -> StepPlan:
+        every = cast(int, self.arg)
+        return Periods(every, outer_optimizer, overlap=self.overlap, fragments=self.fragments)
+
+    def check_options(self, model: nn.Module, *, sync_batchnorm: bool, elastic: bool) -> None:
+        tensors = sum(1 for p in model.parameters() if p.requires_grad)
+        if self.fragments > tensors:
+            raise ValueError(
+                f"mode {str(self)!r} exchanges the model in {self.fragments} fragments, but it "
+                f"has only {tensors} trainable parameter tensors: use at most {tensors} fragments"
+            )
+        if sync_batchnorm:
+            raise ValueError(
+                f"sync_batchnorm=True sums BatchNorm's statistics over the towers in every "
+                f"forward pass, but in mode {str(self)!r} the towers step alone between outer "
+                "steps: drop sync_batchnorm=True (each tower keeps its own statistics, "
+                "averaged at every outer step), or train in mode='sync'"
+            )
+        if elastic and self.overlap:
+            raise ValueError(
+                f"elastic=True cannot serve mode {str(self)!r}: an overlapped exchange is "
+                "still travelling when the next steps run, and a regroup cannot carry it "
+                f"over; use mode='diloco:{self.arg}' (blocking exchanges) with elastic=True, "
+                "or drop elastic=True"
+            )
+
+    def check_resumable(self, state: dict[str, Any], workers: int) -> None:
+        saved = len(state["diloco"]["ranks"])
+        if saved != workers:
+            raise ValueError(
+                f"the checkpoint of mode {str(self)!r} holds the parameters and inner optimizer "
+                f"of each of its {saved} workers, this run has {workers}: resume with "
+                f"workers={saved}, or use another checkpoint directory"
+            )

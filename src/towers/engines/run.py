@@ -22,6 +22,7 @@ from . import checkpoint
 from .job import EngineResult, Job
 from .ps import check_resumable, run_ps
 from .sync.loop import sync_loop
+from .sync.mode import SyncMode
 
 __all__ = ["load_resume", "run_job"]
 
@@ -30,6 +31,8 @@ def _check_sync_resumable(job: Job, state: dict[str, Any], workers: int) -> None
     BatchOrder(num_samples(job.data), job.batch_size, job.shuffle, job.seed).check_config(
         state["data"]
     )
+    if isinstance(job.mode, SyncMode):
+        job.mode.check_resumable(state, workers)
 
 
 @dataclass(frozen=True)

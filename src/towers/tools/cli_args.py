@@ -27,7 +27,7 @@ BENCH_ARMS = (
     "train-elastic",
 )
 # towers.core.modes.MODES, named likewise
-MODES = ("sync", "async", "ssp:S", "local:K", "backup:B")
+MODES = ("sync", "async", "ssp:S", "local:K", "backup:B", "diloco:H")
 
 
 def _add_bench(sub: argparse._SubParsersAction, handler: Handler) -> None:
@@ -170,6 +170,12 @@ examples:
         help="the job's secret, read from F (mode 600), the same on every node; default: "
         "TOWERS_SECRET, else a fresh one (one host)",
     )
+    _add_run_elastic(run)
+    run.set_defaults(func=handler)
+
+
+def _add_run_elastic(run: argparse.ArgumentParser) -> None:
+    """``towers run``'s options for elastic jobs, across hosts or on one."""
     run.add_argument(
         "--nnodes",
         type=int,
@@ -204,7 +210,6 @@ examples:
         help="with --elastic: seconds without an answer from the job before a host stops "
         "(default 60)",
     )
-    run.set_defaults(func=handler)
 
 
 def _modes() -> str:
@@ -286,7 +291,7 @@ def _add_compare(sub: argparse._SubParsersAction, handler: Handler) -> None:
     )
     cmp.add_argument(
         "--modes",
-        default="sync,async,ssp:2,local:4,backup:1",
+        default="sync,async,ssp:2,local:4,backup:1,diloco:4",
         metavar="M[,M...]",
         help=f"comma-separated modes, each one of {_modes()} (default %(default)s)",
     )

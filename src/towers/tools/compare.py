@@ -86,7 +86,7 @@ def compare(
     *,
     workers: int = 4,
     steps: int | None = None,
-    modes: Sequence[str] = ("sync", "async", "ssp:2", "local:4", "backup:1"),
+    modes: Sequence[str] = ("sync", "async", "ssp:2", "local:4", "backup:1", "diloco:4"),
     straggler: int = 1,
     factor: float = 3.0,
     target: float | None = None,
@@ -129,8 +129,9 @@ def compare(
 
 
 def table(runs: Sequence[Run], target: float) -> list[str]:
+    w = max([10, *(len(r.mode) + 1 for r in runs)])  # diloco:H:overlap:P is long
     head = (
-        f"{'mode':<10}{'straggler':>10}{'updates':>9}{'final loss':>12}"
+        f"{'mode':<{w}}{'straggler':>10}{'updates':>9}{'final loss':>12}"
         f"{f'time to {target:.3g}':>16}{'staleness':>11}{'max':>5}{'updates/s':>11}"
         f"{'batches/s':>11}{'dropped':>9}"
     )
@@ -141,7 +142,7 @@ def table(runs: Sequence[Run], target: float) -> list[str]:
         stale = statistics.fmean(r.staleness) if r.staleness else 0.0
         slow = "-" if not run.straggle else f"{max(run.straggle.values()):g}x"
         lines.append(
-            f"{run.mode:<10}{slow:>10}"
+            f"{run.mode:<{w}}{slow:>10}"
             f"{r.updates:>9}{run.final:>12.4g}"
             f"{(f'{reach:.2f} s' if math.isfinite(reach) else 'not reached'):>16}"
             f"{stale:>11.2f}{max(r.staleness, default=0):>5}{run.updates_per_second:>11.0f}"
@@ -156,9 +157,10 @@ def straggler_summary(runs: Sequence[Run], straggler: int, factor: float) -> lis
         return []
     base = slow["sync"].updates_per_second
     lines = [f"with tower {straggler} {factor:g}x slower, updates/s relative to sync:"]
+    w = max([10, *(len(m) + 1 for m in slow)])
     for mode, r in slow.items():
         if mode != "sync":
-            lines.append(f"  {mode:<10}{r.updates_per_second / base:6.2f}x")
+            lines.append(f"  {mode:<{w}}{r.updates_per_second / base:6.2f}x")
     return lines
 
 

@@ -16,9 +16,10 @@ from .plots import Curve, save_loss_panels
 from .speed import measure_speed, print_speed
 from .zoo import Parabola, parabola_data, parabola_loss
 
-__all__ = ["ASYNC_DEMO_MODES", "demo"]
+__all__ = ["ASYNC_DEMO_MODES", "DILOCO_DEMO_MODES", "demo"]
 
 ASYNC_DEMO_MODES = ("async", "ssp:2", "local:4", "backup:1")
+DILOCO_DEMO_MODES = ("diloco:4",)  # over all-reduce, an outer step every 4 global batches
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -28,6 +29,7 @@ def demo(args: argparse.Namespace) -> int:
     # The asynchronous rows (one more process: the parameter server) train fewer steps to keep
     # the demo under a minute on two cores; their table rows say how many.
     runs += [(m, args.workers) for m in ASYNC_DEMO_MODES if args.workers > 1 or m != "backup:1"]
+    runs += [(m, args.workers) for m in DILOCO_DEMO_MODES]
     results: list[TrainResult] = []
     short = min(args.steps, args.async_steps)
     print(

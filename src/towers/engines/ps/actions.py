@@ -35,7 +35,10 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Refill:
-    """Cut the next global batches into the queue until it holds a shard per tower."""
+    """Cut the next global batches into the queue until it holds a shard per tower (and, with
+    ``until``, a shard of that index)."""
+
+    until: int | None = None
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,14 @@ class OpenStep:
 
 @dataclass(frozen=True)
 class HandOut:
-    """Send the queue's first shard to ``tower``, with the parameters unless ``params`` is False."""
+    """Send the queue's first shard to ``tower``, with the parameters unless ``params`` is False.
+
+    ``pick``: the first shard of that index, or of a tower that was lost, if the queue holds one.
+    """
 
     tower: int
     params: bool = True
+    pick: int | None = None
 
 
 @dataclass(frozen=True)

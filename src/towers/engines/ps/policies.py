@@ -25,9 +25,9 @@ The modes:
 - ``backup:B``: synchronous: all shards of step k are pulled at the same version; the step
   applies the sample-weighted average of the first ``workers - B`` shards to arrive and drops the
   others (Chen et al., "Revisiting Distributed Synchronous SGD", 2016).
-- ``local:K``: towers step their own optimizers; after K steps a tower sends its parameters, and
-  once every live tower has, the server averages them weighted by the samples behind them (local
-  SGD) and sends the average back.
+- ``local:K``: towers step their own optimizers, tower t on shard t of each global batch in
+  turn; after K steps a tower sends its parameters, and once every live tower has, the server
+  averages them weighted by the samples behind them (local SGD) and sends the average back.
 """
 
 from __future__ import annotations
@@ -198,11 +198,22 @@ class LocalPolicy(Policy):
         self.averaged = False  # parameters were just averaged: a consistent state to save
 
     def serve(self, s: ServerState, tower: int) -> list[Action]:
-        if not _available(s):  # no shard left this round: its parameters go into the average
+        if not self._left_for(s, tower):  # its parameters go into the average
             return [CollectParams(tower)]
         params = tower in self.fresh
         self.fresh.discard(tower)
-        return [Refill(), HandOut(tower, params=params)]
+        # Tower t takes shard t of each global batch in turn (a lost tower's shards first), as
+        # in diloco:K, whose special case local:K is (docs/diloco.md): the same shards give the
+        # same parameters. A batch with fewer shards than towers is skipped by the others.
+        return [Refill(until=tower), HandOut(tower, params=params, pick=tower)]
+
+    @staticmethod
+    def _left_for(s: ServerState, tower: int) -> bool:
+        """Whether a shard is left for ``tower``: a global batch to cut, or a queued shard of
+        its own or of a lost tower (a live tower's shards wait for it)."""
+        if s.next_step < s.steps:
+            return True
+        return any(x.index == tower or x.index not in s.live for x in s.pending)
 
     def on_params(self, s: ServerState, tower: int, h: Header, msg: torch.Tensor) -> list[Action]:
         self.submitted[tower] = (msg, h.weight)

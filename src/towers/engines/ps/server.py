@@ -239,13 +239,16 @@ class Server:
         for a in actions:
             match a:
                 case Refill():
-                    while len(s.pending) < s.towers and s.next_step < s.steps:
+                    while s.next_step < s.steps and (
+                        len(s.pending) < s.towers
+                        or (a.until is not None and all(x.index != a.until for x in s.pending))
+                    ):
                         s.pending.extend(self._shards(s.next_step))
                         s.next_step += 1
                 case OpenStep():
                     s.pending = collections.deque(self._shards(a.step))
                 case HandOut():
-                    self._hand_out(a.tower, s.pending.popleft(), a.params)
+                    self._hand_out(a.tower, self._take(a.pick), a.params)
                 case CollectParams():
                     s.idle.discard(a.tower)
                     self._send(a.tower, Kind.AVERAGE)
@@ -290,6 +293,16 @@ class Server:
         shards = [Shard(step, i, size) for i, size in enumerate(sizes) if size > 0]
         s.left[step] = len(shards)
         return shards
+
+    def _take(self, pick: int | None) -> Shard:
+        """The queue's first shard of index ``pick`` or of a lost tower, else its first."""
+        s = self.state
+        if pick is not None:
+            for shard in s.pending:
+                if shard.index == pick or shard.index not in s.live:
+                    s.pending.remove(shard)
+                    return shard
+        return s.pending.popleft()
 
     def _hand_out(self, t: int, shard: Shard, params: bool) -> None:
         s = self.state

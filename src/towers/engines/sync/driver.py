@@ -20,7 +20,7 @@ kept by survivors and handed to replacements (``snapshot``/``adopt``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -49,6 +49,11 @@ class Owner(Protocol):
         """The driver is attached to a new set of members (their rank and number may differ)."""
         ...
 
+    def shared(self) -> nn.Module:
+        """What every member must hold alike, copied from rank 0 whenever the members change:
+        the model, or in DiLoCo the outer parameters (each worker's own are its own)."""
+        ...
+
 
 class SyncDriver:
     """One rank's synchronous step over ``group``; see the module doc."""
@@ -73,10 +78,19 @@ class SyncDriver:
 
     # -- the model -------------------------------------------------------------------------
 
-    def replicate(self, model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> nn.Module:
-        """Give every rank the same parameters and buffers, and attach the hooks."""
+    def replicate(
+        self,
+        model: nn.Module,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        breaks: Sequence[int] = (),
+    ) -> nn.Module:
+        """Give every rank the same parameters and buffers, and attach the hooks.
+
+        ``breaks``: trainable-parameter indices where a bucket must end (see
+        :meth:`launch`'s ``buckets``).
+        """
         model.to(self.device)
-        plan = BucketPlan.of(list(model.parameters()), bucket_bytes)
+        plan = BucketPlan.of(list(model.parameters()), bucket_bytes, breaks)
         if not plan.params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         self.remove()
@@ -92,7 +106,7 @@ class SyncDriver:
         self.zero_grad()
         comm = self.group.comm
         verify_same_model(self.model, comm)
-        broadcast_module(self.model, comm)
+        broadcast_module(self.model if self.owner is None else self.owner.shared(), comm)
         self.sync = GradientSync(self.plan, comm, self.transform, self.state)
         if self.group.elastic:
             self.settle()
@@ -183,19 +197,38 @@ class SyncDriver:
         """Backpropagate ``loss * samples`` and count it (see :func:`backward_weighted`)."""
         self.add(backward_weighted(loss, samples), samples)
 
+    def take(self) -> tuple[float, int]:
+        """The loss sum and samples counted since the last reduction, no longer counted: for a
+        step that this tower takes alone (DiLoCo's inner steps)."""
+        counted = self.loss_sum, self.samples
+        self.samples, self.loss_sum = 0, 0.0
+        return counted
+
     def reduce(self, stamp: torch.Tensor | None = None) -> StepResult:
         """Sum the gradients over all towers and decide the step; the same on every rank.
 
         Afterwards each parameter's ``.grad`` holds the global batch's gradient, or, if the step
         is skipped (a loss or gradient was not finite on some tower), ``None``.
         """
+        self.launch(stamp)
+        return self.land()
+
+    def launch(
+        self, stamp: torch.Tensor | None = None, buckets: Sequence[int] | None = None
+    ) -> None:
+        """Start :meth:`reduce`: the buckets travel while the caller goes on; :meth:`land`
+        completes it. ``buckets``: only these buckets (their parameters' ``.grad`` set by the
+        caller), the metadata riding in the last of them."""
         sync = self._sync()
         try:
-            result, state = sync.finish(
-                self.samples, self.loss_sum, stamp, self.group.regroup_wanted
-            )
+            sync.launch(self.samples, self.loss_sum, stamp, self.group.regroup_wanted, buckets)
         finally:
             self.samples, self.loss_sum = 0, 0.0
+
+    def land(self) -> StepResult:
+        """Wait for the reduction :meth:`launch` started and decide it (see :meth:`reduce`)."""
+        sync = self._sync()
+        result, state = sync.land()
         if sync.regroup:
             self.group.regroup_after_step()
         if result.skipped:

@@ -34,12 +34,21 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "BucketPlan", "GradientSync"]
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 
-def make_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
-    """Parameter indices per bucket: reverse order, one dtype and device each, ~``bucket_bytes``."""
+def make_buckets(
+    params: list[torch.Tensor], bucket_bytes: int, breaks: Sequence[int] = ()
+) -> list[list[int]]:
+    """Parameter indices per bucket: reverse order, one dtype and device each, ~``bucket_bytes``.
+
+    No bucket holds parameters on both sides of a break (a parameter index that starts a group
+    of parameters reduced on their own, such as a fragment of the model in Streaming DiLoCo).
+    """
     buckets: list[list[int]] = []
     open_bucket: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     size: dict[tuple[torch.dtype, torch.device], int] = {}
+    starts = set(breaks)
     for i in reversed(range(len(params))):
+        if i + 1 in starts:
+            open_bucket.clear()
         p = params[i]
         key = (p.dtype, p.device)
         if key not in open_bucket:
@@ -61,9 +70,12 @@ class BucketPlan:
     layouts: list[BucketLayout]
 
     @classmethod
-    def of(cls, params: Sequence[torch.Tensor], bucket_bytes: int) -> BucketPlan:
+    def of(
+        cls, params: Sequence[torch.Tensor], bucket_bytes: int, breaks: Sequence[int] = ()
+    ) -> BucketPlan:
+        """``breaks``: indices (among the trainable parameters) where a bucket must end."""
         trainable = [p for p in params if p.requires_grad]
-        buckets = make_buckets(trainable, bucket_bytes)
+        buckets = make_buckets(trainable, bucket_bytes, breaks)
         layouts = []
         for b, indices in enumerate(buckets):
             ref, start, slots = trainable[indices[0]], 0, []
@@ -111,6 +123,8 @@ class GradientSync:
         ]
         self._armed = False
         self.regroup = False  # whether the last finished step asked every rank to regroup
+        self._chosen: list[int] = []  # the buckets of the step in flight, in launch order
+        self._checked = False  # whether the step in flight carries a batch stamp
         self._reset()
 
     def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -175,10 +189,9 @@ class GradientSync:
         self._pack(b)
         self._reduce(Bucket(b, self.buffers[b]))
 
-    def _launch_last(self, meta: torch.Tensor) -> None:
-        last = len(self.buckets) - 1
+    def _launch_last(self, meta: torch.Tensor, last: int) -> None:
         grads = self.buffers[last]
-        if self.meta_in_bucket:
+        if self.meta_in_bucket and last == len(self.buckets) - 1:
             whole = self._storage[last]
             tail = whole[grads.numel() :]
             tail.copy_(meta)
@@ -211,19 +224,46 @@ class GradientSync:
             each parameter's ``.grad`` holds the sample-weighted mean gradient (``None`` where
             no tower produced one).
         """
+        self.launch(samples, loss_sum, stamp, regroup)
+        return self.land()
+
+    def launch(
+        self,
+        samples: int,
+        loss_sum: float,
+        stamp: torch.Tensor | None = None,
+        regroup: bool = False,
+        buckets: Sequence[int] | None = None,
+    ) -> None:
+        """The first half of :meth:`finish`: pack and start reducing every bucket not yet
+        started, the metadata in the last; :meth:`land` completes it.
+
+        ``buckets``: reduce only these (the parameters set in ``.grad`` by the caller, e.g. one
+        fragment of the model), the metadata riding in the last of them; ``None``: all.
+        """
         self._armed = False
-        last = len(self.buckets) - 1
-        while self._launched < last:
-            self._launch(self._launched)
+        if buckets is None:
+            chosen = list(range(len(self.buckets)))
+            while self._launched < chosen[-1]:
+                self._launch(self._launched)
+        else:
+            chosen = sorted(buckets)
+            for b in chosen[:-1]:
+                self._launch(b)
+        last = chosen[-1]
         self._pack(last)
         bad = not math.isfinite(loss_sum) or self._bad_grad
         meta = self.meta.pack(self.comm.rank, samples, loss_sum, bad, self._had_grad, regroup)
-        checked = stamp is not None  # towers.train's loop builds the batches itself: no stamp
-        self._launch_last(torch.cat([meta, stamp if stamp is not None else self._no_stamp]))
+        self._checked = stamp is not None  # towers.train's loop builds the batches: no stamp
+        self._launch_last(torch.cat([meta, stamp if stamp is not None else self._no_stamp]), last)
+        self._chosen = chosen
+
+    def land(self) -> tuple[StepResult, Any]:
+        """Wait for what :meth:`launch` started and decide the step (see :meth:`finish`)."""
         sums = [out.wait() for out in self._out]
         tail = sums[-1].tail
         assert tail is not None, "a gradient transform dropped the step's metadata"
-        if checked:
+        if self._checked:
             try:
                 self.stamp.check(tail[self.meta.length :])
             except ValueError:
@@ -231,10 +271,11 @@ class GradientSync:
                 raise
         tally = self.meta.read(tail[: self.meta.length])
         self.regroup = tally.regroup
-        for out, buf in zip(sums, self.buffers):
+        chosen = [(self.buffers[b], self.slots[b]) for b in self._chosen]
+        for out, (buf, _) in zip(sums, chosen, strict=True):
             if out.grads.data_ptr() != buf.data_ptr():
                 buf.copy_(out.grads)
-        result = apply_sums(self.params, tally, zip(self.buffers, self.slots))
+        result = apply_sums(self.params, tally, chosen)
         state = self._next_state
         self._reset()
         return result, state

@@ -32,6 +32,7 @@ from ..report import Reporter
 from ..syncbn import convert_batchnorm
 from .driver import SyncDriver
 from .group import ElasticGroup, Group, PlainGroup
+from .mode import plan_for
 
 __all__ = ["SyncRecord", "elastic_loop", "sync_loop"]
 
@@ -82,6 +83,8 @@ class _Run:
         if job.sync_batchnorm:
             convert_batchnorm(self.replica.model, group)
         self.driver = SyncDriver(group, job.transform, owner=self)
+        self.plan = plan_for(job.mode, job.outer_optimizer)  # what each global batch does
+        self.breaks = self.plan.attach(self.replica.model)
         self.order = BatchOrder(num_samples(job.data), job.batch_size, job.shuffle, job.seed)
         self.record = SyncRecord()
         self.done = 0  # global batches completed
@@ -98,20 +101,34 @@ class _Run:
     # -- the state the driver keeps consistent ---------------------------------------------
 
     def progress(self) -> int:
-        return -1 if self.newcomer else self.done
+        return -1 if self.newcomer else self.plan.progress(self.done)
 
     def snapshot(self) -> dict[str, Any]:
-        return {"done": self.done, "replica": self.replica.state(), "record": asdict(self.record)}
+        state = {
+            "done": self.plan.progress(self.done),
+            "plan": self.plan.snapshot(self.replica),
+            "record": asdict(self.record),
+        }
+        # The members behind adopt this state and train on from it over the new members; so
+        # does this one, so that every member trains the same shards (DiLoCo: the batches since
+        # the last exchange; a synchronous step leaves none).
+        self.plan.adopt(state["plan"], self.replica, newcomer=False)
+        self.done = state["done"]
+        return state
 
     def adopt(self, state: dict[str, Any]) -> None:
-        self.replica.load(state["replica"])
+        self.plan.adopt(state["plan"], self.replica, self.newcomer)
         self.record = SyncRecord.from_state(state["record"])
         self.done = state["done"]
         self.newcomer = False
 
+    def shared(self) -> torch.nn.Module:
+        return self.plan.shared(self.replica.model)
+
     def regrouped(self) -> None:
         """Plan this tower's part of the remaining batches for the new members."""
         job, comm = self.job, self.group.comm
+        self.plan.regrouped(self.replica.model)
         if self.fetch is not None:
             self.fetch.close()
         if job.num_workers and is_dataset(job.data):
@@ -133,13 +150,31 @@ class _Run:
             # resumed with another number of workers: fresh, but reproducible, streams
             reseed = self.job.seed + self.group.comm.rank + 1000 * self.resume["step"]
             self.driver.restore_streams(self.resume, reseed)
+            self.plan.restore(self.resume, self.driver, self.replica)
 
     # -- one step --------------------------------------------------------------------------
 
-    def _one(self) -> None:
-        """Train global batch ``done``, split over the current members; evaluate and save."""
+    def _advance(self) -> None:
+        """One piece of work: the exchange the plan owes, or the next global batch; then
+        evaluate and save if due. In an elastic job each is attempted (and redone) alone."""
+        job = self.job
+        if self.plan.owes(self.done, job.steps):
+            self.plan.exchange(self.driver, self.done, final=self.done == job.steps)
+        else:
+            self._train(self.done)
+        self._land()
+        if self.plan.owes(self.done, job.steps):
+            return  # evaluate and save what the exchange brings
+        if due(job, self.done):
+            self._evaluate(self.done)
+        if self._checkpoint_due(self.done):
+            self.record.seconds += time.perf_counter() - self.start
+            self.start, self.first_samples = time.perf_counter(), self.record.samples
+            self._save(self.done)
+
+    def _train(self, k: int) -> None:
+        """Train global batch ``k``, split over the current members."""
         job, comm, replica = self.job, self.group.comm, self.replica
-        k = self.done
         self.order.seek(k)
         mine = split(next(self.order), comm.world_size)[comm.rank]
         slow = job.straggle.get(comm.rank, 1.0)
@@ -153,33 +188,38 @@ class _Run:
                 )
             )
 
-        r = self.driver.step(backward, optimizer=replica.optimizer)
+        replica.schedule_to(job.scheduled(k))  # a replacement catches up
+        self.plan.step(self.driver, backward, replica.optimizer, k, at=self._clock)
         replica.schedule_to(job.scheduled(k + 1))
-        self._completed(k, r)
-        if due(job, self.done):
-            self._evaluate(self.done)
-        if self._checkpoint_due(self.done):
-            self.record.seconds += time.perf_counter() - self.start
-            self.start, self.first_samples = time.perf_counter(), self.record.samples
-            self._save(self.done)
+        self.done = k + 1
+
+    def _clock(self) -> float:
+        """Seconds of training so far, the runs this one resumed included."""
+        return self.record.seconds + time.perf_counter() - self.start
+
+    def _land(self) -> None:
+        """Record the steps whose results over all towers arrived."""
+        landed = self.plan.results()
+        for k, r, at in landed:
+            self._completed(k, r, self._clock() if at is None else at)
+        if landed and self.group.lost_at is not None:
+            k = landed[-1][0]
+            self.record.recoveries.append((k, max(0.0, time.time() - self.group.lost_at)))
+            self.group.lost_at = None
 
     def _planned(self, micro: list[torch.Tensor]) -> list[Any]:
         assert self.fetch is not None
         return [self.fetch(m) for m in micro]
 
-    def _completed(self, k: int, r: StepResult) -> None:
-        self.done = k + 1
+    def _completed(self, k: int, r: StepResult, at: float) -> None:
+        self.record.add(k, r, at)
         elapsed = time.perf_counter() - self.start
-        self.record.add(k, r, self.record.seconds + elapsed)
-        if self.group.lost_at is not None:
-            self.record.recoveries.append((k, max(0.0, time.time() - self.group.lost_at)))
-            self.group.lost_at = None
         rate = (self.record.samples - self.first_samples) / max(elapsed, 1e-9)
         self.reporter.step(k, r.loss, r.tower_losses, rate)
 
     def _evaluate(self, done: int) -> None:
         comm = self.group.comm
-        model, world = self.replica.model, comm.world_size
+        model, world = self.plan.trained(self.replica.model), comm.world_size
         mine = evaluate(self.job, model, self.device, comm.rank, world, self.fetcher)
         metrics = combine(comm.all_gather_object(mine))
         self.record.evals.append((done, metrics))
@@ -193,6 +233,7 @@ class _Run:
 
     def _save(self, done: int) -> None:
         streams = self.driver.gather_streams()
+        planned = self.plan.checkpoint(self.driver, self.replica)
         if self.group.comm.rank != 0:
             return
         payload = {
@@ -201,6 +242,7 @@ class _Run:
             **streams,
             "record": asdict(self.record),
             **self.replica.state(),
+            **planned,
         }
         checkpoint.save_or_warn(self.job.checkpoint, done, "sync", payload)  # type: ignore[arg-type]
 
@@ -209,13 +251,13 @@ class _Run:
     def train(self) -> None:
         group, job = self.group, self.job
         try:
-            self.driver.replicate(self.replica.model)
+            self.driver.replicate(self.replica.model, breaks=self.breaks)
             self._restore_streams()
             if not group.elastic:  # start the clock together (a replacement joins mid-run)
                 group.comm.barrier()
             self.start, self.first_samples = time.perf_counter(), self.record.samples
-            while self.done < job.steps:
-                group.attempt(self.driver, self._one)
+            while self.done < job.steps or self.plan.owes(self.done, job.steps):
+                group.attempt(self.driver, self._advance)
             group.finish(self.driver)
         finally:
             self.driver.remove()
@@ -228,7 +270,7 @@ class _Run:
     def result(self) -> EngineResult:
         r = self.record
         return EngineResult(
-            state_dict=cpu_state(self.replica.model),
+            state_dict=cpu_state(self.plan.trained(self.replica.model)),
             losses=r.losses,
             tower_losses=r.tower_losses,
             skipped=[(s, list(c)) for s, c in r.skipped],
