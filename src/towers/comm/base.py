@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -21,7 +22,16 @@ from ..core.secret import JobSecret
 from .hang import absent_ranks, hang_error, publish_pid
 from .objects import decode, encode
 
-__all__ = ["Comm", "DistComm", "LocalComm", "PeerFailure", "PeerTimeout", "PointToPoint", "Work"]
+__all__ = [
+    "Comm",
+    "DistComm",
+    "Levels",
+    "LocalComm",
+    "PeerFailure",
+    "PeerTimeout",
+    "PointToPoint",
+    "Work",
+]
 
 _SLICE = 0.25  # seconds between checks of the interrupt while a collective waits
 _SLICE_DELTA = timedelta(seconds=_SLICE)
@@ -48,11 +58,33 @@ class _Done:
         return True
 
 
+@dataclass(frozen=True)
+class Levels:
+    """A job's ranks seen in two levels: the ranks on this host, and one leader per host.
+
+    Given by a transport that sums across hosts in stages (:mod:`towers.comm.hierarchy`), so
+    that the gradient step can run its transform (a compression) among the leaders only.
+
+    Attributes:
+        local: this host's ranks (shared memory where it can be had); exact sums.
+        leaders: on each host's leader (its lowest rank), one rank per host; ``None`` on the
+            other ranks.
+        hosts: the number of hosts.
+    """
+
+    local: Comm
+    leaders: Comm | None
+    hosts: int
+
+
 class Comm(Protocol):
     """Collectives among ``world_size`` ranks; every rank calls them in the same order."""
 
     rank: int
     world_size: int
+    # ``None``, or this transport's two levels across hosts: callers that sum in stages (the
+    # gradient step) use them; every other caller sees one flat set of ranks either way.
+    levels: Levels | None
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         """Start an in-place sum over ranks; ``wait()`` on the result before reading it."""
@@ -115,6 +147,7 @@ class LocalComm:
 
     rank = 0
     world_size = 1
+    levels = None
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         return _Done()
@@ -230,6 +263,7 @@ class DistComm:
         secret: JobSecret | None = None,
     ):
         self.secret = secret
+        self.levels: Levels | None = None
         self.sliced = sliced  # wait without Python callbacks (elastic jobs across hosts)
         self.group = group
         self.rank = dist.get_rank(group)
