@@ -30,6 +30,10 @@ def _compare(args: argparse.Namespace) -> int:
     from ..core.modes import parse_mode
     from .compare import compare
 
+    if args.link is not None:
+        return _compare_link(args)
+    args.workers = args.workers or 4
+
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         parse_mode(m)
@@ -52,6 +56,23 @@ def _compare(args: argparse.Namespace) -> int:
         target=args.target,
         seed=args.seed,
         out=args.out,
+        print_fn=functools.partial(print, flush=True),
+    )
+    return 0
+
+
+def _compare_link(args: argparse.Namespace) -> int:
+    from .slowlink import compare_link, parse_rate
+
+    try:
+        parse_rate(args.link)
+    except ValueError as exc:
+        print(f"towers compare: --link: {exc}", file=sys.stderr)
+        return 2
+    compare_link(
+        args.link,
+        workers=args.workers or 2,
+        steps=args.steps or 100,
         print_fn=functools.partial(print, flush=True),
     )
     return 0
@@ -337,7 +358,9 @@ def _parser() -> argparse.ArgumentParser:
         "write a PNG of loss against wall time.",
     )
     cmp.add_argument("--problem", choices=["parabola", "digits"], default="parabola")
-    cmp.add_argument("-n", "--workers", type=int, default=4, help="computing towers (default 4)")
+    cmp.add_argument(
+        "-n", "--workers", type=int, default=None, help="computing towers (default 4; --link: 2)"
+    )
     cmp.add_argument("--steps", type=int, default=None, help="global batches per run")
     cmp.add_argument(
         "--modes", default="sync,async,ssp:2,local:4,backup:1", help="comma-separated modes"
@@ -350,6 +373,13 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--seed", type=int, default=0)
     cmp.add_argument(
         "--out", default="towers-compare/loss.png", help="PNG path (default %(default)s)"
+    )
+    cmp.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE",
+        help="instead: exact sums against each compression over a SIMULATED link of RATE "
+        "(e.g. 100mbit) between the workers: time to a held-out loss on the 28x28 digits MLP",
     )
     cmp.set_defaults(func=_compare)
 
