@@ -23,6 +23,7 @@ from netns import two_hosts
 
 import towers
 from towers.comm.group import connect
+from towers.comm.hang import CallMismatch
 from towers.comm.hierarchy import by_host, two_levels
 from towers.core.launch import read_launch
 from towers.engines.sync.group import PlainGroup
@@ -154,6 +155,31 @@ def test_two_levels_sum_and_train_like_one_process():
     for out in outs[1:]:  # every rank holds the same parameters, bit for bit
         for a, b in zip(out["int8"]["params"], outs[0]["int8"]["params"], strict=True):
             assert torch.equal(a, b)
+
+
+def _rank0_only_mean():
+    """rank 0 logs a metric through ctx.mean alone while the others step: on two pretend hosts."""
+    torch.set_num_threads(1)
+    conn = connect(read_launch(), timeout=5, transport="gloo")
+    conn.comm = two_levels(conn.comm, PRETEND, 5)
+    ctx = towers.Context(PlainGroup(conn))
+    model = ctx.replicate(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for shard in ctx.shards(_batches(steps=2, size=8)):
+        r = ctx.step(_mse(model, shard), opt)
+        if ctx.rank == 0:
+            ctx.mean({"loss": r.loss}, samples=2)
+    ctx.close()
+
+
+@pytest.mark.timeout(90)
+def test_two_levels_name_the_calls_when_one_rank_calls_alone():
+    with pytest.raises(CallMismatch) as info:
+        towers.spawn(_rank0_only_mean, 4, timeout=60)
+    text = str(info.value)
+    # whichever rank reports it: rank 0 in ctx.mean, another rank in the next step
+    assert "the ranks made different calls" in text and "rank 0 in ctx.mean(['loss'])" in text
+    assert "in ctx.step (step 1)" in text, text
 
 
 # -- two hosts of their own ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from torch import nn
 
 import towers
 from towers.api.mistakes import check_sync_batchnorm
+from towers.comm.hang import CallMismatch
 from towers.core.modes import parse_mode
 from towers.processes.guard import unguarded_line
 
@@ -113,3 +114,36 @@ def test_a_script_without_main_guard_is_stopped_before_workers_start(tmp_path):
     assert "line 9: towers.train() is called when the script is imported" in out.stderr
     assert 'if __name__ == "__main__":' in out.stderr
     assert "WorkerError" not in out.stderr and len(out.stderr.splitlines()) < 40
+
+
+def _rank0_only_mean(transport: str, other: str) -> None:
+    """rank 0 logs a metric through ctx.mean alone (a master-only estimate_loss)."""
+    ctx = towers.init(timeout=5, transport=transport)
+    model = ctx.replicate(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = regression_data(40)
+    for shard in ctx.shards([(x[:20], y[:20]), (x[20:], y[20:])]):
+        r = ctx.step(mse(model, shard), opt)
+        if ctx.rank == 0:
+            ctx.mean({"loss": r.loss}, samples=10)
+        elif other == "barrier":
+            ctx.barrier()
+    ctx.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("transport", "other"), [("shm", "step"), ("gloo", "step"), ("gloo", "barrier")]
+)
+def test_a_collective_called_on_some_ranks_only_names_who_called_what(transport, other):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(CallMismatch) as info:
+        towers.spawn(_rank0_only_mean, 2, transport, other, timeout=60)
+    text = str(info.value)
+    assert "the ranks made different calls (rank 0 in ctx.mean(['loss'])" in text
+    theirs = "ctx.barrier" if other == "barrier" else "ctx.step (step 1)"
+    assert f"rank 1 in {theirs}" in text and "every rank must make the same" in text
+    # within the timeout (5 s) and the check-in; a different call at once
+    assert time.monotonic() - start < (15 if other == "step" else 8) + 10

@@ -20,7 +20,6 @@ schedule the loop builds itself (build it from ``ctx.steps``). See docs/elastic.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Comm
+from ..comm.hang import calling
 from ..core.agree import BatchStamp, fingerprint, mean_vector, weighted_means
 from ..core.data import take
 from ..core.split import batch_size, map_batch, split
@@ -42,6 +42,7 @@ from ..engines.sync.gradsync import DEFAULT_BUCKET_BYTES
 from ..engines.sync.group import Group
 from ..engines.syncbn import convert_batchnorm
 from ..engines.transforms import GradientTransform
+from .loop_state import LoopState
 from .make import reduction
 from .mistakes import (
     BACKWARD_TWICE,
@@ -56,29 +57,24 @@ Batch = TypeVar("Batch")
 
 
 class Context:
-    """This process's place in the job and the synchronous step.
-
-    Get one from :func:`towers.init`. Attributes: ``rank``, ``world_size``, ``local_rank``,
-    ``device`` (``cuda:LOCAL_RANK`` under NCCL, else CPU), ``is_main`` (rank 0) and ``steps``
-    (global batches completed).
-    """
+    """This process's place in the job and the synchronous step (get one from :func:`init`):
+    ``rank``, ``world_size``, ``local_rank``, ``device`` (``cuda:LOCAL_RANK`` under NCCL, else
+    CPU), ``is_main`` (rank 0) and ``steps`` (global batches completed)."""
 
     def __init__(self, group: Group):
         self._group = group
         self.local_rank = group.local_rank
         self.device = group.device
-        self.steps = 0
-        self._driver = SyncDriver(group, owner=self)
+        self._state = LoopState(group.joining)  # what an elastic group keeps consistent
+        self._driver = SyncDriver(group, owner=self._state)
         self._shard_samples: int | None = None
         self._batch: tuple[int, int] | None = None  # the last global batch's size, fingerprint
         self._accumulated = False  # accumulate() ran since the last step
-        # elastic jobs: what a peer that is ahead sends, and where ctx.shards goes on
-        self._newcomer = group.joining
-        self._catch_up = 0  # batches a replacement skips to reach its peers
-        self._redo = False  # the last step must be trained again
-        self._last: StepResult | None = None
-        self._opt: torch.optim.Optimizer | None = None
-        self._pending_opt: dict[str, Any] | None = None
+
+    @property
+    def steps(self) -> int:
+        """Global batches completed (in an elastic job, by the job: a replacement catches up)."""
+        return self._state.steps
 
     @property
     def rank(self) -> int:
@@ -96,31 +92,6 @@ class Context:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    # -- the state an elastic group keeps consistent ---------------------------------------
-
-    def progress(self) -> int:
-        return -1 if self._newcomer else self.steps
-
-    def snapshot(self) -> dict[str, Any]:
-        model = self._driver.model
-        assert model is not None
-        opt = self._opt.state_dict() if self._opt is not None else None
-        last = dataclasses.asdict(self._last) if self._last else None
-        return {"steps": self.steps, "model": model.state_dict(), "opt": opt, "last": last}
-
-    def adopt(self, state: dict[str, Any]) -> None:
-        assert self._driver.model is not None
-        self._driver.model.load_state_dict(state["model"])
-        self._pending_opt = state["opt"]
-        self._last = StepResult(**state["last"]) if state["last"] else None
-        if self._newcomer:
-            self._catch_up = state["steps"]
-        self._newcomer = False
-        self.steps = state["steps"]
-
-    def regrouped(self) -> None:
-        pass
 
     # -- the model and the data ------------------------------------------------------------
 
@@ -163,7 +134,8 @@ class Context:
         elif self.world_size > 1:
             warn_unsynced_buffers(model, "ctx.replicate(model, sync_batchnorm=True)")
         transform = reduction(transform, compress, model)
-        self._driver = SyncDriver(self._group, transform, owner=self)
+        self._state.model = model
+        self._driver = SyncDriver(self._group, transform, owner=self._state)
         return self._driver.replicate(model, bucket_bytes)
 
     def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -177,17 +149,17 @@ class Context:
         """
         refuse_distributed_sampler(batches)
         for batch in batches:
-            if self._catch_up > 0:
-                self._catch_up -= 1
+            if self._state.catch_up > 0:
+                self._state.catch_up -= 1
                 continue
             while True:
                 shard = split(batch, self.world_size)[self.rank]
                 self._shard_samples = batch_size(shard)
                 self._batch = (batch_size(batch), fingerprint(batch))
                 yield map_batch(lambda t: torch.as_tensor(t).to(self.device), shard)
-                if not self._redo:
+                if not self._state.redo:
                     break
-                self._redo = False
+                self._state.redo = False
 
     # -- the step --------------------------------------------------------------------------
 
@@ -221,7 +193,10 @@ class Context:
         """Backward a micro-batch's loss without communicating (gradient accumulation).
 
         The accumulated gradients are averaged, weighted by samples, at the next
-        :meth:`backward` or :meth:`step`.
+        :meth:`backward` or :meth:`step`. Pass each micro-batch's *mean* loss as it is: do not
+        divide it by the number of micro-batches, as DDP scripts do (``loss / accum_steps``).
+        towers already weights every micro-batch by its samples; a divided loss shrinks the
+        gradient by that factor and makes results depend on how many ranks share the batch.
         """
         self._check_no_stale_grads()  # before the step's first micro-batch only
         self._backward(loss, self._weight(samples))
@@ -239,7 +214,9 @@ class Context:
         weight = self._weight(samples)
         self._check_no_stale_grads()
         size, mark = self._batch if self._batch is not None else (None, None)
-        stamp = BatchStamp(self.world_size).pack(self.rank, self.steps, size, mark)
+        state = self._state
+        stamp = BatchStamp(self.world_size).pack(self.rank, state.steps, size, mark)
+        calling(f"{'ctx.step' if optimizer is not None else 'ctx.backward'} (step {state.steps})")
 
         def backward(arm: Any) -> None:
             arm()
@@ -247,11 +224,11 @@ class Context:
 
         def one() -> StepResult:
             result = self._driver.step(backward, stamp=stamp, optimizer=optimizer)
-            self.steps += 1
-            self._last = result
+            state.steps += 1
+            state.last = result
             return result
 
-        before = self.steps
+        before = state.steps
         try:
             result = self._group.attempt(self._driver, one)
         finally:
@@ -259,9 +236,9 @@ class Context:
         if result is not None:
             return result
         self._driver.zero_grad()
-        if self.steps > before and self._last is not None:  # a peer had completed it
-            return self._last
-        self._redo = True
+        if state.steps > before and state.last is not None:  # a peer had completed it
+            return state.last
+        state.redo = True
         return StepResult(math.nan, [], [], skipped=True, redo=True)
 
     def backward(self, loss: torch.Tensor | None, samples: int | None = None) -> StepResult:
@@ -302,17 +279,11 @@ class Context:
     ) -> StepResult:
         """Backward ``loss``, average gradients over all towers, and step ``optimizer``.
 
-        The shorthand for :meth:`backward`, then ``optimizer.step()`` (unless the step is
-        skipped), then clearing the gradients. Under ``towers run --elastic`` the result has
-        ``redo=True`` if a peer was lost (see the module doc).
-
-        Returns:
-            The :class:`StepResult` of this step, identical on every rank.
+        :meth:`backward`, then ``optimizer.step()`` (unless skipped), then clearing the
+        gradients; returns the :class:`StepResult`, identical on every rank (under ``towers run
+        --elastic``, ``redo=True`` if a peer was lost: see the module doc).
         """
-        self._opt = optimizer
-        if self._pending_opt is not None:
-            optimizer.load_state_dict(self._pending_opt)
-            self._pending_opt = None
+        self._state.optimizer(optimizer)
         return self._run_step(loss, samples, optimizer)
 
     def mean(self, values: Mapping[str, Any], samples: int) -> dict[str, float]:
@@ -332,6 +303,7 @@ class Context:
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         vector = mean_vector(values, samples).to(self.device)
+        self.comm.agree_call(f"ctx.mean({sorted(map(str, values))})")
         self.comm.all_reduce_sum(vector).wait()
         return weighted_means(values, vector, self.world_size)
 
@@ -374,6 +346,7 @@ class Context:
         part = evaluate_part(
             model, data, fn, batch_size, self.device, self.rank, self.world_size, batches, "fn"
         )
+        self.comm.agree_call("ctx.evaluate")
         return combine(self.comm.all_gather_object(part))
 
     def save_checkpoint(
@@ -392,6 +365,7 @@ class Context:
         and ``extra`` (tensors and plain values only); the two newest checkpoints are kept. A
         write that fails (a full disk) warns and training goes on: the state is still in memory.
         """
+        self.comm.agree_call(f"ctx.save_checkpoint(step {step})")
         streams = self._driver.gather_streams()
         if not self.is_main:
             return
@@ -431,6 +405,7 @@ class Context:
         return state["step"], state["extra"]
 
     def barrier(self) -> None:
+        self.comm.agree_call("ctx.barrier")
         self.comm.barrier()
 
     def close(self) -> None:

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..core.secret import JobSecret
-from .hang import absent_ranks, hang_error, publish_pid
+from .failure import Interruptible, PeerFailure, PeerTimeout, peer_failure
+from .hang import CallMismatch, absent_ranks, call_mismatch, calling, hang_error, publish_pid
 from .objects import decode, encode
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "Comm",
     "DistComm",
     "Levels",
@@ -33,20 +35,9 @@ __all__ = [
     "Work",
 ]
 
-_SLICE = 0.25  # seconds between checks of the interrupt while a collective waits
-_SLICE_DELTA = timedelta(seconds=_SLICE)
-
-
-class PeerFailure(RuntimeError):
-    """A peer left the job (died, or was declared lost) while this rank waited for it.
-
-    Raised by a transport's collectives, so that an elastic run can regroup without the
-    lost rank; any other run ends with it.
-    """
-
-
-class PeerTimeout(PeerFailure, TimeoutError):
-    """A peer did not arrive within the timeout (stuck, or issuing other collectives)."""
+# How long a rank waits for the others (rendezvous, or any collective) before the job fails:
+# a dead or stuck worker ends the job within this bound instead of hanging it.
+DEFAULT_TIMEOUT = 60.0
 
 
 class Work(Protocol):
@@ -108,6 +99,10 @@ class Comm(Protocol):
         ...
 
     def barrier(self) -> None: ...
+
+    def agree_call(self, what: str) -> None:
+        """Check that every rank makes the call ``what`` now, before any collective of it."""
+        ...
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A zeroed tensor whose sums this transport computes in place, or ``None``.
@@ -172,6 +167,9 @@ class LocalComm:
     def barrier(self) -> None:
         pass
 
+    def agree_call(self, what: str) -> None:
+        calling(what)
+
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         return None
 
@@ -190,59 +188,6 @@ class _NamingWork:
             return self._work.wait()
         except RuntimeError as exc:
             raise self._comm.name_stuck(exc) from exc
-
-
-class _Interruptible:
-    """A process group's work whose wait gives up when ``interrupt`` is set.
-
-    Gloo reports a peer's death as a read error, but a stuck peer only after the group's
-    timeout: the elastic runner's watcher sets ``interrupt`` as soon as a peer is declared
-    lost, and the waiting rank raises :class:`PeerFailure` then.
-    """
-
-    def __init__(self, work: Any, interrupt: threading.Event, sliced: bool = False):
-        self.work = work
-        self.interrupt = interrupt
-        self.sliced = sliced
-
-    def _wait_sliced(self) -> None:
-        # In slices on the work itself, with no Python callback: across hosts, a work left
-        # pending in an abandoned group completes (with an error) only when a peer exits,
-        # perhaps while this interpreter shuts down, and a Python callback run by Gloo's thread
-        # then aborts the process (terminate called after throwing gloo::IoException).
-        while not self.work.is_completed():
-            try:
-                self.work.wait(_SLICE_DELTA)
-                return
-            except RuntimeError:
-                if self.work.is_completed():
-                    return
-                if self.interrupt.is_set():
-                    raise PeerFailure(
-                        "a peer was lost while this rank waited in a collective"
-                    ) from None
-
-    def wait(self) -> Any:
-        if self.sliced:
-            self._wait_sliced()
-        elif not self.work.is_completed():
-            done = threading.Event()
-            self.work.get_future().add_done_callback(lambda _f: done.set())
-            while not done.wait(_SLICE):
-                if self.interrupt.is_set():
-                    raise PeerFailure("a peer was lost while this rank waited in a collective")
-        try:
-            return self.work.wait()
-        except RuntimeError as exc:
-            raise _peer_failure(exc) from None
-
-
-def _peer_failure(exc: BaseException) -> PeerFailure:
-    text = str(exc).strip().splitlines()
-    what = text[0] if text else type(exc).__name__
-    if "timeout" in what.lower() or "timed out" in what.lower():
-        return PeerTimeout(f"a peer did not arrive in time: {what}")
-    return PeerFailure(f"a peer was lost: {what}")
 
 
 class DistComm:
@@ -273,12 +218,13 @@ class DistComm:
         self._store = _default_store() if group in (None, dist.group.WORLD) else None
         if self._store is not None:
             publish_pid(self._store, self.rank)
+        self._calls = 0  # agree_call()s so far
 
     def _work(self, work: Any) -> Work:
         """``work`` whose failure names the stuck ranks, or, elastic, can be interrupted."""
         if self.interrupt is None:
             return _NamingWork(work, self)
-        return _Interruptible(work, self.interrupt, self.sliced)
+        return Interruptible(work, self.interrupt, self.sliced)
 
     def _wait(self, work: Any) -> None:
         self._work(work).wait()
@@ -291,7 +237,7 @@ class DistComm:
         except RuntimeError as exc:
             if self.interrupt is None:
                 raise
-            raise _peer_failure(exc) from None
+            raise peer_failure(exc) from None
 
     def name_stuck(self, exc: BaseException) -> BaseException:
         """:class:`PeerHang` naming the ranks that did not arrive, if some did not; else ``exc``.
@@ -301,12 +247,53 @@ class DistComm:
         """
         if self._store is None or self.world_size == 1:
             return exc
-        absent = absent_ranks(self._store, self.rank, self.world_size)
-        if absent is None:  # the store, hosted by rank 0's process, does not answer
-            absent = [(0, None, False)]
+        got = absent_ranks(self._store, self.rank, self.world_size)
+        # the store, hosted by rank 0's process, does not answer: rank 0 is the stuck one
+        absent, calls = got if got is not None else ([(0, None, False)], {})
+        mismatch = call_mismatch(self.rank, calls)
+        if mismatch is not None:
+            return mismatch
         if not absent:
             return exc
         return hang_error(self.rank, absent, self.timeout, "a collective")
+
+    def mismatched_calls(self) -> CallMismatch | None:
+        """Check in with the others (a rank gave up waiting): were the ranks in other calls?"""
+        if self._store is None or self.world_size == 1:
+            return None
+        got = absent_ranks(self._store, self.rank, self.world_size)
+        return None if got is None else call_mismatch(self.rank, got[1])
+
+    def agree_call(self, what: str) -> None:
+        """Check, before its collectives, that every rank is making the call ``what`` now.
+
+        Each rank leaves ``what`` under this call's number in the rendezvous store and waits
+        for the others'. Different calls are refused at once (:class:`~towers.comm.hang.
+        CallMismatch`, naming each rank's); a rank that never comes (it is in another call, or
+        stuck) is named after the timeout. The point is never to issue collectives that do not
+        match: Gloo aborts a process whose collective meets one of another size.
+        """
+        calling(what)
+        if self._store is None or self.world_size == 1:
+            return
+        self._calls += 1
+        keys = [f"towers/call/{self._calls}/{r}" for r in range(self.world_size)]
+        self._store.set(keys[self.rank], what)
+        deadline = time.monotonic() + (DEFAULT_TIMEOUT if self.timeout is None else self.timeout)
+        pause = 2e-4  # polled (a timed store wait logs a warning each time it expires)
+        while not self._store.check(keys):
+            if self.interrupt is not None and self.interrupt.is_set():
+                raise PeerFailure("a peer was lost while the ranks agreed on a call")
+            if time.monotonic() > deadline:
+                raise self.name_stuck(
+                    TimeoutError(f"rank {self.rank} waited in vain for the others in {what}")
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+        calls = {r: self._store.get(key).decode() for r, key in enumerate(keys)}
+        mismatch = call_mismatch(self.rank, calls)
+        if mismatch is not None:
+            raise mismatch
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..core.launch import Launch
 from ..core.messages import first_line
 from ..core.secret import JobSecret
-from .base import Comm, DistComm, LocalComm
+from .base import DEFAULT_TIMEOUT, Comm, DistComm, LocalComm
 from .hierarchy import by_host, two_levels
 from .net import is_loopback
 from .rendezvous import choose_interface, join
@@ -44,9 +44,6 @@ __all__ = [
     "init_process_group",
 ]
 
-# How long a rank waits for the others (rendezvous, or any collective) before the job fails:
-# a dead or stuck worker ends the job within this bound instead of hanging it.
-DEFAULT_TIMEOUT = 60.0
 TRANSPORTS = ("auto", "shm", "gloo", "nccl")
 
 

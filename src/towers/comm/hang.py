@@ -10,6 +10,12 @@ turns such a failure into :class:`PeerHang`, which names the ranks that never ar
 - over a process group (Gloo) the ranks whose wait failed check in under one key each in the
   rendezvous store and wait a moment for the others (:func:`absent_ranks`); whoever does not
   check in is stuck (or dead: a death is reported by the launcher first).
+
+A rank that is not stuck but somewhere else is the other common case: a metric computed on
+rank 0 alone through ``ctx.mean`` while the others went on to ``ctx.step``. Every rank notes
+what it is calling (:func:`calling`, a string set before each call of the own loop, for free)
+and checks in with it; when the ranks that checked in were in different calls,
+:class:`CallMismatch` names each rank's call instead of a timeout.
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ from typing import Any
 
 __all__ = [
     "CHECK_IN_SECONDS",
+    "CallMismatch",
     "PeerHang",
     "absent_ranks",
+    "call_mismatch",
+    "calling",
+    "current_call",
     "describe_peer",
     "hang_error",
     "publish_pid",
@@ -50,6 +60,35 @@ class PeerHang(TimeoutError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.ranks, self.pids))
+
+
+class CallMismatch(RuntimeError):
+    """The ranks made different calls (or one rank made a call the others did not)."""
+
+
+_NOW = ["towers"]  # what this process is calling: see calling()
+
+
+def calling(what: str) -> None:
+    """Note what this process calls now (``"ctx.step (step 3)"``), for :class:`CallMismatch`."""
+    _NOW[0] = what
+
+
+def current_call() -> str:
+    return _NOW[0]
+
+
+def call_mismatch(rank: int, calls: dict[int, str]) -> CallMismatch | None:
+    """The error for ranks that were in different calls, or ``None`` if they agree."""
+    if len(set(calls.values())) <= 1:
+        return None
+    where = "; ".join(f"rank {r} in {what}" for r, what in sorted(calls.items()))
+    return CallMismatch(
+        f"the ranks made different calls ({where}; this is rank {rank}): every rank must make "
+        "the same towers calls in the same order. A metric that only rank 0 computes (a "
+        "rank-0-only evaluation) must not go through ctx.mean or ctx.evaluate: compute it "
+        "without them on that rank, or call them on every rank (docs/porting.md)"
+    )
 
 
 def describe_peer(rank: int, pid: int | None, local: bool) -> str:
@@ -91,18 +130,24 @@ def hang_error(
     )
 
 
+Absent = list[tuple[int, int | None, bool]]  # (rank, pid, on this host) of ranks not there
+
+
 def absent_ranks(
     store: Any, rank: int, world: int, wait: float = CHECK_IN_SECONDS
-) -> list[tuple[int, int | None, bool]] | None:
-    """Check in, wait up to ``wait`` s for the others; ``(rank, pid, local)`` of those that did not.
+) -> tuple[Absent, dict[int, str]] | None:
+    """Check in, wait up to ``wait`` s for the others: who did not, and what the others called.
 
-    Returns ``None`` if the store itself does not answer, which means rank 0, whose process
-    hosts it, is the stuck one. The store's own timeout does not cover every call when its host
-    is stopped, so the exchange runs on a helper thread that is abandoned after ``2 * wait``.
+    Returns ``(absent, calls)``: ``(rank, pid, local)`` of the ranks that did not check in, and
+    :func:`current_call` of every rank that did (this one included); ``None`` if the store itself
+    does not answer, which means rank 0, whose process hosts it, is the stuck one. The store's
+    own timeout does not cover every call when its host is stopped, so the exchange runs on a
+    helper thread that is abandoned after ``2 * wait``.
     """
-    out: list[list[tuple[int, int | None, bool]] | None] = []
+    out: list[tuple[Absent, dict[int, str]] | None] = []
+    mine = current_call()
     helper = threading.Thread(
-        target=lambda: out.append(_check_in(store, rank, world, wait)), daemon=True
+        target=lambda: out.append(_check_in(store, rank, world, wait, mine)), daemon=True
     )
     helper.start()
     helper.join(2 * wait)
@@ -110,11 +155,11 @@ def absent_ranks(
 
 
 def _check_in(
-    store: Any, rank: int, world: int, wait: float
-) -> list[tuple[int, int | None, bool]] | None:
+    store: Any, rank: int, world: int, wait: float, mine: str
+) -> tuple[Absent, dict[int, str]] | None:
     try:
         store.set_timeout(timedelta(seconds=wait))
-        store.set(f"towers/arrived/{rank}", "1")
+        store.set(f"towers/arrived/{rank}", mine)
     except Exception:
         return None
     others = [r for r in range(world) if r != rank]
@@ -125,6 +170,10 @@ def _check_in(
             missing = [r for r in missing if not store.check([f"towers/arrived/{r}"])]
             if missing:
                 time.sleep(0.02)
+    calls = {rank: mine}
+    for r in set(others) - set(missing):
+        with contextlib.suppress(Exception):
+            calls[r] = store.get(f"towers/arrived/{r}").decode()
     found = []
     for r in missing:
         pid, host = None, ""
@@ -132,4 +181,4 @@ def _check_in(
             text, host = store.get(f"towers/pid/{r}").decode().split(" ", 1)
             pid = int(text)
         found.append((r, pid, host == socket.gethostname()))
-    return found
+    return found, calls

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Comm, DistComm, Levels, LocalComm, Work
+from .hang import CallMismatch
 from .shm import ShmComm, ShmUnavailable
 
 __all__ = ["HierComm", "by_host", "share", "two_levels"]
@@ -145,6 +146,13 @@ class HierComm:
         self._drain()
         self.base.barrier()
 
+    def agree_call(self, what: str) -> None:
+        """Through the job's rendezvous store, which spans every rank (no collective)."""
+        self.base.agree_call(what)
+
+    def mismatched_calls(self) -> CallMismatch | None:
+        return self.base.mismatched_calls()
+
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A buffer this host's shared memory sums in place (stages 1 and 3), or ``None``."""
         return self.levels.local.buffer(numel, dtype)
@@ -162,6 +170,23 @@ class HierComm:
             self._groups = []
 
 
+class _Part(DistComm):
+    """The process group of one level (a host's ranks, or the leaders): when a rank gives up
+    waiting in it, the job's store (which spans every rank) tells whether the ranks were in
+    different calls (:mod:`towers.comm.hang`); the level's own group has no store of its own."""
+
+    def __init__(self, group: Any, timeout: float, job: DistComm):
+        super().__init__(group, timeout, secret=job.secret)
+        self.job = job
+
+    def mismatched_calls(self) -> CallMismatch | None:
+        return self.job.mismatched_calls()
+
+    def name_stuck(self, exc: BaseException) -> BaseException:
+        mismatch = self.job.mismatched_calls()
+        return exc if mismatch is None else mismatch
+
+
 def two_levels(base: DistComm, hosts: list[list[int]], timeout: float) -> Comm:
     """``base`` summed in two levels over ``hosts`` (:func:`by_host`); ``base`` itself when no
     host has more than one rank (a flat sum already crosses once per host).
@@ -172,19 +197,19 @@ def two_levels(base: DistComm, hosts: list[list[int]], timeout: float) -> Comm:
     if all(len(ranks) == 1 for ranks in hosts):
         return base
     wait = timedelta(seconds=timeout)
-    rank, secret = base.rank, base.secret
+    rank = base.rank
     groups, local, leaders = [], None, None
     for ranks in hosts:
         if len(ranks) > 1:
             group = dist.new_group(ranks, timeout=wait, backend="gloo")
             if rank in ranks:
                 groups.append(group)
-                local = DistComm(group, timeout, secret=secret)
+                local = _Part(group, timeout, base)
     heads = [ranks[0] for ranks in hosts]
     group = dist.new_group(heads, timeout=wait, backend="gloo")
     if rank in heads:
         groups.append(group)
-        leaders = DistComm(group, timeout, secret=secret)
+        leaders = _Part(group, timeout, base)
     return HierComm(base, Levels(_fast(local, timeout), leaders, len(hosts)), groups)
 
 

@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from .base import Comm, PeerFailure, Work
+from .base import Comm, DistComm, PeerFailure, Work
 from .hang import hang_error
 from .segment import SHM_DIR, ShmUnavailable, alive, host_key, open_shared
 from .wait import DEFAULT_SPIN_SECONDS, Waiter
@@ -254,6 +254,9 @@ class ShmComm:
         self._drain()
         self.base.barrier()
 
+    def agree_call(self, what: str) -> None:
+        self.base.agree_call(what)
+
     def close(self) -> None:
         """Finish pending sums and stop the helper thread; errors were raised by ``wait()``."""
         if self._thread is not None:
@@ -401,8 +404,11 @@ class ShmComm:
                 raise self._hang()
         waiter.done(start)
 
-    def _hang(self) -> TimeoutError:
-        """The error of a waiter that gave up: names the ranks behind it, if any are."""
+    def _hang(self) -> Exception:
+        """The error of a waiter that gave up: the ranks in another call, or those behind it."""
+        mismatch = self.base.mismatched_calls() if isinstance(self.base, DistComm) else None
+        if mismatch is not None:
+            return mismatch
         mine = self._arrivals[self.rank].value
         behind = [(r, pid, True) for r, pid in self._peers if self._arrivals[r].value < mine]
         if behind:
