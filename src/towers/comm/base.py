@@ -73,9 +73,12 @@ class Comm(Protocol):
 
     rank: int
     world_size: int
-    # ``None``, or this transport's two levels across hosts: callers that sum in stages (the
-    # gradient step) use them; every other caller sees one flat set of ranks either way.
-    levels: Levels | None
+
+    @property
+    def levels(self) -> Levels | None:
+        """``None``, or this transport's two levels across hosts: callers that sum in stages
+        (the gradient step) use them; every other caller sees one flat set of ranks either way."""
+        ...
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         """Start an in-place sum over ranks; ``wait()`` on the result before reading it."""

@@ -126,6 +126,9 @@ class SimulatedLink:
     def barrier(self) -> None:
         self.comm.barrier()
 
+    def agree_call(self, what: str) -> None:
+        self.comm.agree_call(what)
+
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         return self.comm.buffer(numel, dtype)
 
