@@ -10,11 +10,18 @@ root, no ``ip``).
 Run a command on a host with ``host.popen(args)`` (``ip netns exec``). ``host.cut()`` takes
 its end of the pair down (no packet passes either way, and no socket is told: a network
 partition) and ``host.mend()`` brings it back up.
+
+``two_hosts(own=True)`` gives each host what a second machine has and a namespace alone does
+not: its own host name and its own ``/dev/shm`` (each command runs under ``unshare -u -m``
+with a fresh tmpfs there, gone when the command ends), so that towers sees two hosts and
+shared memory cannot reach across. ``rate="100mbit"`` shapes both ends of the pair with a
+token bucket (``tc ... tbf``); ``host.link_bytes()`` reads what its end has sent and received.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -25,12 +32,16 @@ from typing import Any
 
 import pytest
 
+# Run as: sh -c OWN sh HOSTNAME COMMAND...: this host's name and /dev/shm, then the command.
+OWN = 'hostname "$1" && mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm && shift && exec "$@"'
+
 
 @dataclass(frozen=True)
 class Host:
     namespace: str
     addr: str
     link: str = ""  # its end of the veth pair
+    hostname: str = ""  # its own host name and /dev/shm (two_hosts(own=True)), or the machine's
 
     def cut(self) -> None:
         """Take this host's link down: a partition, until :meth:`mend`."""
@@ -41,7 +52,20 @@ class Host:
         _ip("-n", self.namespace, "link", "set", self.link, "up")
 
     def command(self, args: list[str]) -> list[str]:
+        if self.hostname:
+            args = ["unshare", "--uts", "--mount", "sh", "-c", OWN, "sh", self.hostname, *args]
         return ["ip", "netns", "exec", self.namespace, *args]
+
+    def link_bytes(self) -> tuple[int, int]:
+        """Bytes its end of the pair has sent and received so far."""
+        done = subprocess.run(
+            ["ip", "-n", self.namespace, "-s", "-j", "link", "show", "dev", self.link],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        stats = json.loads(done.stdout)[0]["stats64"]
+        return stats["tx"]["bytes"], stats["rx"]["bytes"]
 
     def popen(self, args: list[str], **kwargs: Any) -> subprocess.Popen[str]:
         return subprocess.Popen(self.command(args), text=True, **kwargs)
@@ -51,6 +75,16 @@ def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise OSError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _shape(namespace: str, link: str, rate: str) -> None:
+    done = subprocess.run(
+        ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", link, "root", "tbf",
+         "rate", rate, "burst", "64kb", "latency", "500ms"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise OSError(f"tc qdisc add dev {link} tbf rate {rate}: {done.stderr.strip()}")
 
 
 def unavailable() -> str | None:
@@ -63,7 +97,9 @@ def unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def two_hosts() -> Iterator[tuple[Host, Host]]:
+def two_hosts(own: bool = False, rate: str | None = None) -> Iterator[tuple[Host, Host]]:
+    """Two hosts (see the module doc); ``own``: their own host names and /dev/shm; ``rate``:
+    the pair shaped to that rate (``tc`` units, ``"100mbit"``)."""
     reason = unavailable()
     if reason:
         pytest.skip(reason)
@@ -84,7 +120,9 @@ def two_hosts() -> Iterator[tuple[Host, Host]]:
             _ip("-n", name, "addr", "add", f"{addr}/24", "dev", link)
             _ip("-n", name, "link", "set", link, "up")
             _ip("-n", name, "link", "set", "lo", "up")
-            hosts.append(Host(name, addr, link))
+            if rate is not None:
+                _shape(name, link, rate)
+            hosts.append(Host(name, addr, link, f"{name}-host" if own else ""))
     except OSError as exc:
         for name in made:
             subprocess.run(["ip", "netns", "del", name], check=False)

@@ -12,13 +12,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..core.secret import JobSecret
+from .failure import Interruptible, PeerFailure, PeerTimeout, peer_failure
 from .hang import CallMismatch, absent_ranks, call_mismatch, calling, hang_error, publish_pid
 from .objects import decode, encode
 
@@ -26,6 +27,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "Comm",
     "DistComm",
+    "Levels",
     "LocalComm",
     "PeerFailure",
     "PeerTimeout",
@@ -36,20 +38,6 @@ __all__ = [
 # How long a rank waits for the others (rendezvous, or any collective) before the job fails:
 # a dead or stuck worker ends the job within this bound instead of hanging it.
 DEFAULT_TIMEOUT = 60.0
-_SLICE = 0.25  # seconds between checks of the interrupt while a collective waits
-_SLICE_DELTA = timedelta(seconds=_SLICE)
-
-
-class PeerFailure(RuntimeError):
-    """A peer left the job (died, or was declared lost) while this rank waited for it.
-
-    Raised by a transport's collectives, so that an elastic run can regroup without the
-    lost rank; any other run ends with it.
-    """
-
-
-class PeerTimeout(PeerFailure, TimeoutError):
-    """A peer did not arrive within the timeout (stuck, or issuing other collectives)."""
 
 
 class Work(Protocol):
@@ -61,11 +49,36 @@ class _Done:
         return True
 
 
+@dataclass(frozen=True)
+class Levels:
+    """A job's ranks seen in two levels: the ranks on this host, and one leader per host.
+
+    Given by a transport that sums across hosts in stages (:mod:`towers.comm.hierarchy`), so
+    that the gradient step can run its transform (a compression) among the leaders only.
+
+    Attributes:
+        local: this host's ranks (shared memory where it can be had); exact sums.
+        leaders: on each host's leader (its lowest rank), one rank per host; ``None`` on the
+            other ranks.
+        hosts: the number of hosts.
+    """
+
+    local: Comm
+    leaders: Comm | None
+    hosts: int
+
+
 class Comm(Protocol):
     """Collectives among ``world_size`` ranks; every rank calls them in the same order."""
 
     rank: int
     world_size: int
+
+    @property
+    def levels(self) -> Levels | None:
+        """``None``, or this transport's two levels across hosts: callers that sum in stages
+        (the gradient step) use them; every other caller sees one flat set of ranks either way."""
+        ...
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         """Start an in-place sum over ranks; ``wait()`` on the result before reading it."""
@@ -132,6 +145,7 @@ class LocalComm:
 
     rank = 0
     world_size = 1
+    levels = None
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         return _Done()
@@ -179,59 +193,6 @@ class _NamingWork:
             raise self._comm.name_stuck(exc) from exc
 
 
-class _Interruptible:
-    """A process group's work whose wait gives up when ``interrupt`` is set.
-
-    Gloo reports a peer's death as a read error, but a stuck peer only after the group's
-    timeout: the elastic runner's watcher sets ``interrupt`` as soon as a peer is declared
-    lost, and the waiting rank raises :class:`PeerFailure` then.
-    """
-
-    def __init__(self, work: Any, interrupt: threading.Event, sliced: bool = False):
-        self.work = work
-        self.interrupt = interrupt
-        self.sliced = sliced
-
-    def _wait_sliced(self) -> None:
-        # In slices on the work itself, with no Python callback: across hosts, a work left
-        # pending in an abandoned group completes (with an error) only when a peer exits,
-        # perhaps while this interpreter shuts down, and a Python callback run by Gloo's thread
-        # then aborts the process (terminate called after throwing gloo::IoException).
-        while not self.work.is_completed():
-            try:
-                self.work.wait(_SLICE_DELTA)
-                return
-            except RuntimeError:
-                if self.work.is_completed():
-                    return
-                if self.interrupt.is_set():
-                    raise PeerFailure(
-                        "a peer was lost while this rank waited in a collective"
-                    ) from None
-
-    def wait(self) -> Any:
-        if self.sliced:
-            self._wait_sliced()
-        elif not self.work.is_completed():
-            done = threading.Event()
-            self.work.get_future().add_done_callback(lambda _f: done.set())
-            while not done.wait(_SLICE):
-                if self.interrupt.is_set():
-                    raise PeerFailure("a peer was lost while this rank waited in a collective")
-        try:
-            return self.work.wait()
-        except RuntimeError as exc:
-            raise _peer_failure(exc) from None
-
-
-def _peer_failure(exc: BaseException) -> PeerFailure:
-    text = str(exc).strip().splitlines()
-    what = text[0] if text else type(exc).__name__
-    if "timeout" in what.lower() or "timed out" in what.lower():
-        return PeerTimeout(f"a peer did not arrive in time: {what}")
-    return PeerFailure(f"a peer was lost: {what}")
-
-
 class DistComm:
     """Collectives of a ``torch.distributed`` process group (Gloo on CPU, NCCL on GPU).
 
@@ -250,6 +211,7 @@ class DistComm:
         secret: JobSecret | None = None,
     ):
         self.secret = secret
+        self.levels: Levels | None = None
         self.sliced = sliced  # wait without Python callbacks (elastic jobs across hosts)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -265,7 +227,7 @@ class DistComm:
         """``work`` whose failure names the stuck ranks, or, elastic, can be interrupted."""
         if self.interrupt is None:
             return _NamingWork(work, self)
-        return _Interruptible(work, self.interrupt, self.sliced)
+        return Interruptible(work, self.interrupt, self.sliced)
 
     def _wait(self, work: Any) -> None:
         self._work(work).wait()
@@ -278,7 +240,7 @@ class DistComm:
         except RuntimeError as exc:
             if self.interrupt is None:
                 raise
-            raise _peer_failure(exc) from None
+            raise peer_failure(exc) from None
 
     def name_stuck(self, exc: BaseException) -> BaseException:
         """:class:`PeerHang` naming the ranks that did not arrive, if some did not; else ``exc``.

@@ -4,7 +4,9 @@ Every worker sees what ``torchrun`` would give it (``RANK``, ``LOCAL_RANK``, ``W
 ``MASTER_ADDR``, ``MASTER_PORT``), parsed by the layer above into a
 :class:`~towers.core.launch.Launch`; :func:`connect` joins the process group it describes over
 env:// rendezvous the way torchrun's own scripts do, and puts the transport the engines use on
-top of it: shared memory for CPU workers on one host, the process group (Gloo, NCCL) otherwise.
+top of it: shared memory for CPU workers on one host; for CPU workers on several hosts with
+several on some, sums in two levels, within each host and then among one leader per host
+(:mod:`towers.comm.hierarchy`); the process group (Gloo, NCCL) otherwise.
 The store listens on ``MASTER_ADDR`` only, holds the job's keys under a prefix derived from its
 secret, and refuses a rank of another job (:mod:`towers.comm.store`); object messages are
 signed (:mod:`towers.comm.objects`). Tensors travel unauthenticated and unencrypted: a job across
@@ -26,8 +28,10 @@ from ..core.launch import Launch
 from ..core.messages import first_line
 from ..core.secret import JobSecret
 from .base import DEFAULT_TIMEOUT, Comm, DistComm, LocalComm
+from .hierarchy import by_host, two_levels
 from .net import is_loopback
 from .rendezvous import choose_interface, join
+from .segment import host_key
 from .shm import ShmComm, ShmUnavailable
 from .store import check_owner, claim, client_store, host_store, job_store
 
@@ -159,8 +163,18 @@ def connect(
         torch.cuda.set_device(device)
     wait = DEFAULT_TIMEOUT if timeout is None else timeout
     secret = launch.job_secret
-    comm = shm_or_group(DistComm(group, wait, secret=secret), transport, wait)
+    comm = choose_transport(DistComm(group, wait, secret=secret), transport, wait)
     return Connection(comm, device, local_rank, owns_group, secret)
+
+
+def choose_transport(base: DistComm, transport: str, timeout: float) -> Comm:
+    """What sums over ``base``'s ranks: two levels across hosts (``auto``, CPU workers, several
+    hosts and several workers on some), else :func:`shm_or_group`."""
+    if transport == "auto" and base.world_size > 1 and dist.get_backend(base.group) == "gloo":
+        hosts = by_host(base.all_gather_object(host_key()))
+        if len(hosts) > 1:
+            return two_levels(base, hosts, timeout)
+    return shm_or_group(base, transport, timeout)
 
 
 def shm_or_group(

@@ -126,6 +126,7 @@ class ShmComm:
         interrupt: threading.Event | None = None,
     ):
         self.base = base
+        self.levels = None  # one host: no levels
         self.interrupt = interrupt
         self.rank = base.rank
         self.world_size = base.world_size

@@ -30,6 +30,10 @@ def _compare(args: argparse.Namespace) -> int:
     from ..core.modes import parse_mode
     from .compare import compare
 
+    if args.link is not None:
+        return _compare_link(args)
+    args.workers = args.workers or 4
+
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         parse_mode(m)
@@ -52,6 +56,23 @@ def _compare(args: argparse.Namespace) -> int:
         target=args.target,
         seed=args.seed,
         out=args.out,
+        print_fn=functools.partial(print, flush=True),
+    )
+    return 0
+
+
+def _compare_link(args: argparse.Namespace) -> int:
+    from .slowlink import compare_link, parse_rate
+
+    try:
+        parse_rate(args.link)
+    except ValueError as exc:
+        print(f"towers compare: --link: {exc}", file=sys.stderr)
+        return 2
+    compare_link(
+        args.link,
+        workers=args.workers or 2,
+        steps=args.steps or 100,
         print_fn=functools.partial(print, flush=True),
     )
     return 0

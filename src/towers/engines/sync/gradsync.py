@@ -13,6 +13,13 @@ The step's metadata (:class:`~towers.core.step.StepMeta`: sample counts, loss su
 flags, which parameters got a gradient) travels in the tail of the last bucket, so a step costs
 one collective per bucket and no extra round trip. The arithmetic on the summed values (the
 division by N, the culprits, ``None`` gradients) lives in :mod:`towers.core.step`.
+
+Across hosts, on a transport with two levels (:mod:`towers.comm.hierarchy`), a bucket is summed
+exactly within the host first, in the hook that completes it (every rank of the host reaches
+the same hooks in the same order, and the leader's sum between hosts can then start while
+backward goes on); the host's leader reduces it with the transform among the leaders; once
+that has arrived, the leader's result is shared within the host. The transform, and any
+compression it applies, sees one rank per host; the metadata is summed exactly at every stage.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from typing import Any
 
 import torch
 
-from ...comm.base import Comm
+from ...comm.base import Comm, Levels
+from ...comm.hierarchy import share
 from ...core.agree import BatchStamp
 from ...core.step import StepMeta, StepResult, all_finite, apply_sums
 from ..transforms import Bucket, BucketLayout, GradientTransform
@@ -85,6 +93,13 @@ class BucketPlan:
             shapes = tuple(tuple(trainable[i].shape) for i in indices)
             layouts.append(BucketLayout(b, shapes, tuple(slots), ref.dtype, ref.device))
         return cls(trainable, buckets, layouts)
+
+
+def _parts(bucket: Bucket) -> list[torch.Tensor]:
+    """The tensors that hold a bucket's values: one where gradients and metadata lie together."""
+    if bucket.whole is not None:
+        return [bucket.whole]
+    return [bucket.grads] if bucket.tail is None else [bucket.grads, bucket.tail]
 
 
 class GradientSync:
@@ -181,9 +196,34 @@ class GradientSync:
         self._bad_grad = self._bad_grad or not all_finite(buf)
 
     def _reduce(self, bucket: Bucket) -> None:
-        out, self._next_state = self.transform.reduce(self._next_state, bucket, self.comm)
+        levels = self.comm.levels
+        if levels is None:
+            out, self._next_state = self.transform.reduce(self._next_state, bucket, self.comm)
+        else:
+            out = self._reduce_in_levels(bucket, levels)
         self._out.append(out)
         self._launched = bucket.index + 1
+
+    def _reduce_in_levels(self, bucket: Bucket, levels: Levels) -> Bucket:
+        """Sum within the host, the transform among the leaders, then share (module doc)."""
+        parts = _parts(bucket)
+        for t in parts:
+            levels.local.all_reduce_sum(t).wait()
+        leader = levels.leaders is not None
+        out = bucket
+        if levels.leaders is not None:
+            out, self._next_state = self.transform.reduce(self._next_state, bucket, levels.leaders)
+
+        def shared(done: Bucket) -> Bucket:
+            if leader:  # the transform may deliver its sums in tensors of its own
+                for mine, got in ((bucket.grads, done.grads), (bucket.tail, done.tail)):
+                    if mine is not None and got is not None and got.data_ptr() != mine.data_ptr():
+                        mine.copy_(got)
+            for t in parts:
+                share(levels.local, t, leader).wait()
+            return Bucket(bucket.index, bucket.grads, bucket.tail, bucket.whole)
+
+        return out.then(shared)
 
     def _launch(self, b: int) -> None:
         self._pack(b)

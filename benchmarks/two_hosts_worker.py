@@ -1,0 +1,186 @@
+"""One rank of an arm of ``benchmarks/two_hosts.py``, started there under ``torchrun``.
+
+    torchrun ... two_hosts_worker.py ARM_JSON OUT LINK
+
+The problem: the 784-1024-1024-10 MLP (:func:`towers.tools.zoo.mlp`) on the digits upscaled to
+28x28 (:func:`~towers.tools.zoo.digits_flat`), the first 1497 of a fixed permutation to train
+on and the other 300 held out; global batches of 256 in DataLoader's order from seed 0, SGD
+lr 0.05 momentum 0.9, the held-out loss every ``eval_every`` global batches and at the end.
+
+An arm is a dict: ``{"train": {...}}`` is ``towers.train(**...)``'s keywords over this
+problem (any of them: ``compress``, ``transport``, ``mode``...); ``{"ddp": "plain" |
+"powersgd:R" | "powersgd-1bucket:R" | "postlocal:P"}`` is DistributedDataParallel over Gloo,
+plain, with ``powerSGD_hook`` (default buckets, or every gradient in one bucket), or with
+``post_localSGD_hook`` and ``PostLocalSGDOptimizer`` averaging parameters every P steps.
+
+Rank 0 counts the bytes through its end of the link between the hosts (LINK: sent and
+received) after every global batch, and writes the run to OUT as JSON: per global batch the
+seconds since the loop started and the bytes so far; the held-out losses; or the error. In
+towers arms the counting is done by the learning-rate schedule (a constant one: ``LambdaLR``
+at factor 1), the one place ``towers.train`` calls back once per global batch; an arm that
+brings its own ``lr_schedule`` keeps it and is not counted per batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import towers
+from towers.tools.zoo import cross_entropy, digits_flat, mlp
+
+BATCH = 256
+HELD_OUT = 300
+SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+LINK = ""  # this host's end of the link
+TICKS: dict[int, tuple[float, int]] = {}  # global batches done -> (perf_counter, bytes so far)
+
+
+def crossed() -> int:
+    """Bytes sent and received through this host's end of the link so far."""
+    stats = Path("/sys/class/net", LINK, "statistics")
+    return sum(int((stats / f"{d}_bytes").read_text()) for d in ("tx", "rx"))
+
+
+def tick(done: int) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        TICKS[done] = (time.perf_counter(), crossed())
+
+
+def counted(done: int) -> float:
+    """The constant schedule that counts: called by ``LambdaLR`` once per global batch."""
+    tick(done)
+    return 1.0
+
+
+def counting_schedule(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(opt, counted)
+
+
+def problem() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    x, y = digits_flat()
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    train, held = order[: len(x) - HELD_OUT], order[len(x) - HELD_OUT :]
+    return (x[train], y[train]), (x[held], y[held])
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return mlp()
+
+
+def run_towers(arm: dict[str, Any], steps: int, every: int) -> dict[str, Any]:
+    data, held = problem()
+    keywords = {"lr_schedule": counting_schedule} | arm["train"]
+    workers = int(os.environ["WORLD_SIZE"])
+    result = towers.train(
+        model(), cross_entropy, data, batch_size=BATCH, steps=steps, workers=workers,
+        optimizer=SGD, seed=0, progress=False, timeout=300, eval_data=held, eval_every=every,
+        **keywords,
+    )  # fmt: skip
+    done = range(1, steps + 1)
+    counts = [TICKS[k][1] for k in done] if all(k in TICKS for k in done) else []
+    return {
+        "times": result.times,
+        "bytes": counts,
+        "evals": [(k, m["loss"]) for k, m in result.evals],
+        "losses": result.losses,
+    }
+
+
+def _ddp_model(kind: str) -> tuple[Any, torch.optim.Optimizer]:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel
+
+    name, _, arg = kind.partition(":")
+    one_bucket = name == "powersgd-1bucket"
+    ddp = DistributedDataParallel(model(), bucket_cap_mb=100 if one_bucket else 25)
+    opt = SGD(ddp.parameters())
+    if name in ("powersgd", "powersgd-1bucket"):
+        state = psgd.PowerSGDState(None, matrix_approximation_rank=int(arg), start_powerSGD_iter=10)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    elif name == "postlocal":
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+            PostLocalSGDState,
+            post_localSGD_hook,
+        )
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.optim import PostLocalSGDOptimizer
+
+        # new_subgroups() alone refuses CPU ("Default group size only takes effect when CUDA
+        # is available"): the local steps sum within each host
+        local, _ = dist.new_subgroups(group_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+        state = PostLocalSGDState(None, subgroup=local, start_localSGD_iter=10)
+        ddp.register_comm_hook(state, post_localSGD_hook)
+        averager = PeriodicModelAverager(period=int(arg), warmup_steps=10)
+        opt = PostLocalSGDOptimizer(optim=opt, averager=averager)
+    elif name != "plain":
+        raise ValueError(f"unknown DDP arm {kind!r}")
+    return ddp, opt
+
+
+def run_ddp(kind: str, steps: int, every: int) -> dict[str, Any]:
+    """DDP over the same global batches (each split with towers.split, as towers splits them)."""
+    os.environ["GLOO_SOCKET_IFNAME"] = LINK
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data, held = problem()
+    ddp, opt = _ddp_model(kind)
+    loader = DataLoader(
+        TensorDataset(*data), batch_size=BATCH, shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    times, counts, evals, batches = [], [], [], iter(())
+    dist.barrier()
+    start = time.perf_counter()
+    for k in range(1, steps + 1):
+        batch = next(batches, None)
+        if batch is None:
+            batches = iter(loader)
+            batch = next(batches)
+        shard = towers.split(tuple(batch), world)[rank]
+        opt.zero_grad(set_to_none=True)
+        cross_entropy(ddp, shard).backward()
+        opt.step()
+        if rank == 0 and (k % every == 0 or k == steps):
+            with torch.no_grad():
+                evals.append((k, float(cross_entropy(ddp.module, held))))
+        tick(k)
+        times.append(time.perf_counter() - start)
+        counts.append(TICKS[k][1] if rank == 0 else 0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"times": times, "bytes": counts, "evals": evals, "losses": []}
+
+
+def main() -> None:
+    global LINK
+    torch.set_num_threads(1)
+    arm, out, LINK = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+    steps, every = arm["steps"], arm["eval_every"]
+    try:
+        if "ddp" in arm:
+            record = run_ddp(arm["ddp"], steps, every)
+        else:
+            record = run_towers(arm, steps, every)
+    except Exception as exc:
+        lines = str(exc).strip().splitlines() or [""]
+        record = {"error": f"{type(exc).__name__}: {lines[0][:400]}"}
+        if int(os.environ["RANK"]) == 0:
+            Path(out).write_text(json.dumps(record))
+        raise
+    if int(os.environ["RANK"]) == 0:
+        Path(out).write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
