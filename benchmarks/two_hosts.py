@@ -64,6 +64,13 @@ ARMS: list[dict[str, Any]] = [
      "train": {"compress": "int8", "transport": "gloo"}},
     {"name": "towers 2/host powersgd:4", "per_host": 2, "train": {"compress": "powersgd:4"},
      "longer": 2},
+    {"name": "towers diloco:8", "per_host": 1, "train": {"mode": "diloco:8"}, "longer": 3},
+    {"name": "towers diloco:8 int8", "per_host": 1,
+     "train": {"mode": "diloco:8", "compress": "int8"}, "longer": 3},
+    {"name": "towers diloco:8:overlap", "per_host": 1, "train": {"mode": "diloco:8:overlap"},
+     "longer": 3},
+    {"name": "towers diloco:8:overlap int8", "per_host": 1,
+     "train": {"mode": "diloco:8:overlap", "compress": "int8"}, "longer": 3},
 ]  # fmt: skip
 
 
@@ -121,6 +128,7 @@ def summarize(record: dict, args: argparse.Namespace, target: float | None) -> d
         "mb_per_run_step": record["sent"] / s / 1e6,
         "final": dict(record["evals"])[args.steps],
         "to_target": None,
+        "evals": record["evals"],  # (global batches done, held-out loss), the whole curve
     }
     if target is not None:
         reached = [k for k, loss in record["evals"] if loss <= target * 1.001]
