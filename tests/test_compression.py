@@ -186,3 +186,33 @@ def test_survivors_keep_their_residuals_and_a_newcomer_gets_the_shared_part():
     me.adopt(peer.snapshot(), newcomer=True)
     assert me.state["steps"] == 40 and me.state["q"] is peer.state["q"]
     assert all(e is None for e in me.state["error"])
+
+
+def _residuals_after_steps(transform):
+    torch.set_num_threads(1)
+    ctx = towers.init()
+    model = ctx.replicate(mlp(), bucket_bytes=1, transform=transform)  # a bucket per tensor
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = digits()
+    first = ctx._driver.state
+    batches = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 256, 64)]
+    for shard in ctx.shards(batches):
+        ctx.step(ce(model, shard), opt)
+    state = ctx._driver.state
+    ctx.close()
+    return first, state
+
+
+@pytest.mark.timeout(120)
+def test_every_bucket_keeps_its_residual_and_warm_start_across_steps():
+    """A step's buckets are reduced before the earlier ones' sums land: the state each bucket
+    fills in when its sum lands must be the one the step ends with, for every bucket."""
+    first, state = towers.spawn(_residuals_after_steps, 2, PowerSGD(2, start=1))[0]
+    matrices = [i for i, qs in enumerate(first["q"]) if qs]
+    assert len(matrices) == 3  # the three weight matrices, each in its own bucket
+    for i in matrices:
+        assert state["error"][i] is not None, f"bucket {i} lost its residual"
+        assert not torch.equal(state["q"][i][0], first["q"][i][0]), f"bucket {i} lost its Q"
+    coded = compression("int8")
+    first, state = towers.spawn(_residuals_after_steps, 2, coded)[0]
+    assert all(s is not None for s in state["summed"]), state["summed"]

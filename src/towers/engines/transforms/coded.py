@@ -55,16 +55,27 @@ class CodedSum:
 
     def init(self, layouts: Sequence[BucketLayout]) -> dict[str, Any]:
         """No residual yet (``None``: zeros of the right length, made at first use)."""
-        return {"sent": [None] * len(layouts), "summed": [None] * len(layouts), "at": (0, 0)}
+        n = len(layouts)
+        return {"sent": [None] * n, "summed": [None] * n, "at": (0, 0), "steps": 0, "last": n - 1}
 
     def reduce(self, state: Any, bucket: Bucket, comm: Comm) -> tuple[Bucket, Any]:
         b = bucket.wait()
         world = comm.world_size
+        steps = state.get("steps", 0)
+        counted = {**state, "steps": steps + (b.index == state.get("last", b.index))}
         if world == 1 or b.grads.dtype != torch.float32:
-            return AllReduce().reduce(None, b, comm)[0], state
+            return AllReduce().reduce(None, b, comm)[0], counted
         at = (comm.rank, world)  # this rank encodes chunk `rank` of `world` of the sum
-        new: dict[str, Any] = {"sent": list(state["sent"]), "summed": list(state["summed"])}
-        new["at"] = at
+        new = {**counted, "at": at}
+        if state.get("copied") != steps:
+            # The step's first bucket: copies of the lists that its buckets fill in, some only
+            # when their sums land, after the step's later buckets were reduced; those share
+            # these copies, and the state before the step stays as it was (for a redo).
+            new["sent"], new["summed"], new["copied"] = (
+                list(state["sent"]),
+                list(state["summed"]),
+                steps,
+            )
         if tuple(state["at"]) != at:  # after a regroup: another chunk is this rank's now
             new["summed"] = [None] * len(new["summed"])
         x = b.grads
