@@ -114,7 +114,7 @@ def test_demo_explains_its_columns_rows_and_shorter_runs(tmp_path):
     assert header.count("max") == header.count("stale max") == 1  # no bare "max" column
     for column in ("final loss", "steps", "updates", "seconds", "stale avg", "sync, same step"):
         assert column in header and f"\n  {column}" in out, column
-    for row in ("sync", "async", "ssp:2", "local:4", "backup:1"):
+    for row in ("sync", "async", "ssp:2", "local:4", "backup:1", "diloco:4"):
         assert f"\n  {row} " in out, row  # each row's meaning
     assert "The sync rows train 60 steps (--steps), the others 20 (--async-steps)" in out
     assert "ran 20 steps, sync 60; after 20 steps sync was at" in " ".join(out.split())
