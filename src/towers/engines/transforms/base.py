@@ -45,6 +45,7 @@ __all__ = [
     "GradientTransform",
     "allreduce",
     "chain",
+    "next_state",
     "start_from",
     "sum_tail",
 ]
@@ -129,6 +130,22 @@ class GradientTransform(Protocol):
 def sum_tail(bucket: Bucket, comm: Comm) -> list[Work]:
     """Start the exact sum of ``bucket``'s metadata, if it has any (for custom transports)."""
     return [] if bucket.tail is None else [comm.all_reduce_sum(bucket.tail)]
+
+
+def next_state(state: dict[str, Any], index: int, lists: Sequence[str]) -> dict[str, Any]:
+    """The state a per-bucket stateful transform returns for bucket ``index`` of a step.
+
+    ``state["steps"]`` counts the steps (at the bucket ``state["last"]``). The per-bucket
+    ``lists`` are copied once per step, by its first bucket: a bucket fills its entry in only
+    when its sum lands, after the step's later buckets were reduced, so those must share the
+    copies rather than copy stale ones; the state before the step stays as it was (an elastic
+    redo starts from it).
+    """
+    steps = state.get("steps", 0)
+    new = {**state, "steps": steps + (index == state.get("last", index))}
+    if state.get("copied") != steps:
+        new.update({key: list(state[key]) for key in lists}, copied=steps)
+    return new
 
 
 class AllReduce:

@@ -27,7 +27,7 @@ import torch
 
 from ...comm.base import Comm
 from ...core.codecs import CODECS, Codec
-from .base import AllReduce, Bucket, BucketLayout, sum_tail
+from .base import AllReduce, Bucket, BucketLayout, next_state, sum_tail
 
 __all__ = ["CodedSum"]
 
@@ -61,21 +61,11 @@ class CodedSum:
     def reduce(self, state: Any, bucket: Bucket, comm: Comm) -> tuple[Bucket, Any]:
         b = bucket.wait()
         world = comm.world_size
-        steps = state.get("steps", 0)
-        counted = {**state, "steps": steps + (b.index == state.get("last", b.index))}
+        new = next_state(state, b.index, ("sent", "summed"))
         if world == 1 or b.grads.dtype != torch.float32:
-            return AllReduce().reduce(None, b, comm)[0], counted
+            return AllReduce().reduce(None, b, comm)[0], new
         at = (comm.rank, world)  # this rank encodes chunk `rank` of `world` of the sum
-        new = {**counted, "at": at}
-        if state.get("copied") != steps:
-            # The step's first bucket: copies of the lists that its buckets fill in, some only
-            # when their sums land, after the step's later buckets were reduced; those share
-            # these copies, and the state before the step stays as it was (for a redo).
-            new["sent"], new["summed"], new["copied"] = (
-                list(state["sent"]),
-                list(state["summed"]),
-                steps,
-            )
+        new["at"] = at
         if tuple(state["at"]) != at:  # after a regroup: another chunk is this rank's now
             new["summed"] = [None] * len(new["summed"])
         x = b.grads

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ...comm.base import Comm
-from .base import AllReduce, Bucket, BucketLayout, sum_tail
+from .base import AllReduce, Bucket, BucketLayout, next_state, sum_tail
 
 __all__ = ["MIN_RATE", "PowerSGD", "compressible"]
 
@@ -100,18 +100,10 @@ class PowerSGD:
 
     def reduce(self, state: Any, bucket: Bucket, comm: Comm) -> tuple[Bucket, Any]:
         b = bucket.wait()
-        last = b.index == state["last"]
-        new = {**state, "steps": state["steps"] + last}
+        new = next_state(state, b.index, ("q", "error"))
         plan = self._plans[b.index]
         if state["steps"] < self.start or not plan.matrices or comm.world_size == 1:
             return AllReduce().reduce(None, b, comm)[0], new
-        if state.get("copied") != state["steps"]:
-            # The step's first compressed bucket: copies of the lists that its buckets fill in
-            # when their sums land. The step's later buckets are reduced before the earlier
-            # ones land, so they share these copies instead of copying stale ones, and the
-            # state before the step stays as it was (an elastic redo starts from it).
-            new["q"], new["error"] = list(state["q"]), list(state["error"])
-            new["copied"] = state["steps"]
         m = b.grads if state["error"][b.index] is None else b.grads + state["error"][b.index]
         mats = [m[a:z].view(rows, rest) for a, z, rows, rest in plan.matrices]
         ps = [mat @ q for mat, q in zip(mats, state["q"][b.index])]
