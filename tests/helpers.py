@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from towers import split
+
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 class Net(nn.Module):
@@ -112,3 +117,33 @@ def assert_close_lists(got, expected, rtol: float = 1e-5, atol: float = 1e-7):
             assert math.isnan(g), f"step {i}: {g} != nan"
         else:
             assert math.isclose(g, e, rel_tol=rtol, abs_tol=atol), f"step {i}: {g} != {e}"
+
+
+def elastic_loop_reference(steps: int) -> tuple[nn.Module, list[float]]:
+    """tests/scripts/elastic_loop.py's training in one plain process: the model and its losses."""
+    spec = importlib.util.spec_from_file_location("elastic_loop", SCRIPTS / "elastic_loop.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model = script.build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in script.batches(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, losses
+
+
+def processes_mentioning(tmp: Path) -> list[int]:
+    """Processes still running (not this one) whose command line names ``tmp``: a test's job."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if str(tmp).encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids

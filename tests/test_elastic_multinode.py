@@ -8,7 +8,6 @@ files the script writes (``<id>-<pid>``) and kills it with SIGKILL.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import signal
@@ -19,19 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close_lists
+from helpers import assert_close_lists, elastic_loop_reference, processes_mentioning
 from netns import two_hosts
 
 SCRIPTS = Path(__file__).parent / "scripts"
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 NPROC, STEPS = 2, 40
-
-
-def _script_module():
-    spec = importlib.util.spec_from_file_location("elastic_loop", SCRIPTS / "elastic_loop.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _launcher(
@@ -61,33 +53,6 @@ def _kill_on_node_1(progress: Path, after: int, deadline: float) -> tuple[int, f
     raise AssertionError("the job made no progress")
 
 
-def _ours(tmp: Path) -> list[int]:
-    """Processes still running that belong to this test's job (found by their command line)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if str(tmp).encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
-
-
-def _reference():
-    script = _script_module()
-    model = script.build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for x, y in script.batches(STEPS):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model, losses
-
-
 @pytest.mark.timeout(90)
 def test_a_worker_lost_on_node_1_leaves_the_parameters_unchanged(tmp_path):
     (tmp_path / "progress").mkdir()
@@ -105,7 +70,7 @@ def test_a_worker_lost_on_node_1_leaves_the_parameters_unchanged(tmp_path):
                 if node.poll() is None:
                     node.kill()
                     node.communicate()
-        left = _ours(tmp_path)
+        left = processes_mentioning(tmp_path)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     why = f"lost worker {lost} after {after} calls:\n" + "\n".join(log[-3000:] for log in logs)
@@ -116,7 +81,7 @@ def test_a_worker_lost_on_node_1_leaves_the_parameters_unchanged(tmp_path):
     finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp_path / "out").glob("*.pt")}
     # the replacement (worker 4, on node 1) joins unless the others finish before it has started
     assert set(finals) - {4} == {0, 1, 2, 3} - {lost}, why
-    model, losses = _reference()
+    model, losses = elastic_loop_reference(STEPS)
     for final in finals.values():
         assert final["steps"] == STEPS, why
         for name, value in model.state_dict().items():
@@ -169,7 +134,7 @@ def test_a_lost_launcher_loses_its_node_and_the_other_trains_on(tmp_path):
                 if node.poll() is None:
                     node.kill()
                 node.communicate()
-        left = _ours(tmp_path)
+        left = processes_mentioning(tmp_path)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     assert nodes[0].returncode == 0, logs[0][-3000:]
@@ -177,7 +142,7 @@ def test_a_lost_launcher_loses_its_node_and_the_other_trains_on(tmp_path):
     assert "node 1's launcher has been silent for 5 s; its workers [1] are lost" in logs[0]
     finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp_path / "out").glob("*.pt")}
     assert set(finals) == {0}
-    model, losses = _reference()
+    model, losses = elastic_loop_reference(STEPS)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(finals[0]["model"][name], value, rtol=1e-5, atol=1e-6)
     assert_close_lists(finals[0]["losses"], losses)
@@ -214,7 +179,7 @@ def test_nodes_with_different_widths_stop_with_the_reason(tmp_path):
     reason = "-n 2 here but -n 1 on node 0: every node needs the same -n"
     assert f"towers run (node 1): {reason}" in logs[1]
     assert f"towers run (node 0): node 1: {reason}" in logs[0]
-    assert _ours(tmp_path) == []
+    assert processes_mentioning(tmp_path) == []
 
 
 @pytest.mark.timeout(60)
@@ -230,4 +195,4 @@ def test_a_node_that_never_connects_fails_the_job_after_the_timeout(tmp_path, ca
     assert code == 1
     err = capsys.readouterr().err
     assert f"node 1 never connected to the job's store at 127.0.0.1:{port} within 3 s" in err
-    assert _ours(tmp_path) == []
+    assert processes_mentioning(tmp_path) == []

@@ -9,7 +9,6 @@ host 0 trains on and ends with the parameters of a plain single-process loop
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import re
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close_lists
+from helpers import assert_close_lists, elastic_loop_reference, processes_mentioning
 from netns import Host, two_hosts
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -38,35 +37,6 @@ def _launcher(host: Host, master: Host, rank: int, port: int, tmp: Path, steps: 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOO_", "MASTER_"))}
     env |= {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     return host.popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def _reference(steps: int):
-    spec = importlib.util.spec_from_file_location("elastic_loop", SCRIPTS / "elastic_loop.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    model = script.build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for x, y in script.batches(steps):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model, losses
-
-
-def _ours(tmp: Path) -> list[int]:
-    """Processes still running that belong to this test's job (found by their command line)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if str(tmp).encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
 
 
 def _partition(tmp: Path, steps: int, timeout: float, blip: float | None):
@@ -103,7 +73,7 @@ def _partition(tmp: Path, steps: int, timeout: float, blip: float | None):
                 if node.poll() is None:
                     node.kill()
             logs = [node.communicate()[0] for node in nodes]
-        left = _ours(tmp)
+        left = processes_mentioning(tmp)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     assert left == [], logs
@@ -112,7 +82,7 @@ def _partition(tmp: Path, steps: int, timeout: float, blip: float | None):
 
 
 def _check_trained(final: dict, steps: int, worlds: set[int]) -> None:
-    model, losses = _reference(steps)
+    model, losses = elastic_loop_reference(steps)
     assert final["steps"] == steps
     for name, value in model.state_dict().items():
         torch.testing.assert_close(final["model"][name], value, rtol=1e-5, atol=1e-6)

@@ -19,7 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_close_lists, assert_same_parameters, reference_loop
+from helpers import (
+    assert_close_lists,
+    assert_same_parameters,
+    elastic_loop_reference,
+    reference_loop,
+)
 from netns import two_hosts, unavailable
 
 import towers
@@ -272,28 +277,10 @@ def test_another_users_process_cannot_join_an_elastic_job_or_run_code_in_it(tmp_
     assert_close_lists(result["losses"], losses)
 
 
-def _loop_reference(steps: int):
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import elastic_loop as script
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    model = script.build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for x, y in script.batches(steps):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model, losses
-
-
 def _check_finals(out: Path, ranks: set[int], steps: int, why: str) -> None:
     finals = {int(p.stem.split("-")[1]): torch.load(p) for p in out.glob("*.pt")}
     assert set(finals) == ranks, why
-    model, losses = _loop_reference(steps)
+    model, losses = elastic_loop_reference(steps)
     for final in finals.values():
         for name, value in model.state_dict().items():
             torch.testing.assert_close(final["model"][name], value, rtol=1e-5, atol=1e-6)
