@@ -31,19 +31,18 @@ from torch import nn
 from ..comm.base import Comm
 from ..comm.hang import calling
 from ..core.agree import BatchStamp, fingerprint, mean_vector, weighted_means
-from ..core.data import take
-from ..core.split import batch_size, map_batch, split
+from ..core.split import batch_size, split
 from ..core.step import StepResult
-from ..engines.evaluate import combine, evaluate_part
+from ..engines.evaluate import combine, evaluate_loop_data
 from ..engines.job import OptimizerFactory
-from ..engines.replica import Replica, check_loss
+from ..engines.replica import Replica, check_loss, to_device
 from ..engines.sync.driver import SyncDriver
-from ..engines.sync.gradsync import DEFAULT_BUCKET_BYTES
 from ..engines.sync.group import Group
 from ..engines.sync.mode import plan_for
 from ..engines.sync.plan import EveryStep
 from ..engines.syncbn import convert_batchnorm
 from ..engines.transforms import GradientTransform
+from .amp import check_scaler, poison_grads
 from .loop_files import load_loop, save_loop
 from .loop_state import LoopState
 from .make import reduction
@@ -104,7 +103,7 @@ class Context:
         self,
         model: nn.Module,
         *,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         sync_batchnorm: bool = False,
         transform: GradientTransform | None = None,
         compress: str | None = None,
@@ -119,7 +118,8 @@ class Context:
 
         Args:
             model: the plain module (not wrapped in ``DistributedDataParallel``).
-            bucket_bytes: gradient bytes per averaging message.
+            bucket_bytes: gradient bytes per averaging message; default 4 MiB on the CPU,
+                25 MiB on a GPU.
             sync_batchnorm: make every BatchNorm layer normalise over the whole global batch
                 (statistics summed over all towers, weighted by samples) so that training and
                 running statistics equal a single process's; every tower then needs at least
@@ -172,7 +172,7 @@ class Context:
                 shard = split(batch, self.world_size)[self.rank]
                 self._shard_samples = batch_size(shard)
                 self._batch = (batch_size(batch), fingerprint(batch))
-                yield map_batch(lambda t: torch.as_tensor(t).to(self.device), shard)
+                yield to_device(shard, self.device)
                 if not self._state.redo:
                     break
                 self._state.redo = False
@@ -186,12 +186,12 @@ class Context:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         return samples
 
-    def _backward(self, loss: torch.Tensor | None, samples: int) -> None:
+    def _backward(self, loss: torch.Tensor | None, samples: int, scaler: Any = None) -> None:
         if samples == 0 or loss is None:
             return
         check_loss(loss, "the loss passed to ctx.backward()/ctx.step()")
         try:
-            self._driver.backward(loss, samples)
+            self._driver.backward(loss, samples, scaler)
         except RuntimeError as exc:
             if "backward through the graph a second time" not in str(exc):
                 raise
@@ -205,7 +205,9 @@ class Context:
             if p.grad is not None and bool(p.grad.any()):
                 raise RuntimeError(BACKWARD_TWICE)
 
-    def accumulate(self, loss: torch.Tensor, samples: int | None = None) -> None:
+    def accumulate(
+        self, loss: torch.Tensor, samples: int | None = None, *, scaler: Any = None
+    ) -> None:
         """Backward a micro-batch's loss without communicating (gradient accumulation).
 
         The accumulated gradients are averaged, weighted by samples, at the next
@@ -213,9 +215,10 @@ class Context:
         divide it by the number of micro-batches, as DDP scripts do (``loss / accum_steps``).
         towers already weights every micro-batch by its samples; a divided loss shrinks the
         gradient by that factor and makes results depend on how many ranks share the batch.
+        With a ``GradScaler``, pass it here as to :meth:`backward`.
         """
         self._check_no_stale_grads()  # before the step's first micro-batch only
-        self._backward(loss, self._weight(samples))
+        self._backward(loss, self._weight(samples), check_scaler(scaler))
         self._accumulated = True
 
     def _run_step(
@@ -223,6 +226,7 @@ class Context:
         loss: torch.Tensor | None,
         samples: int | None,
         optimizer: torch.optim.Optimizer | None,
+        scaler: Any = None,
     ) -> StepResult:
         """The step over the group: a result, or (elastic) a redo after a lost peer."""
         if self._driver.sync is None:
@@ -236,7 +240,7 @@ class Context:
 
         def backward(arm: Any) -> None:
             arm()
-            self._backward(loss, weight)
+            self._backward(loss, weight, scaler)
 
         def one() -> StepResult:
             result = state.plan.step(self._driver, backward, optimizer, state.steps, stamp=stamp)
@@ -267,7 +271,9 @@ class Context:
         """
         return self._state.exchange(self._group, self._driver, final=True)
 
-    def backward(self, loss: torch.Tensor | None, samples: int | None = None) -> StepResult:
+    def backward(
+        self, loss: torch.Tensor | None, samples: int | None = None, *, scaler: Any = None
+    ) -> StepResult:
         """Backward ``loss`` and leave the global batch's gradient in every ``.grad``.
 
         Replaces ``loss.backward()`` in a loop that steps its own optimizer: afterwards every
@@ -278,7 +284,11 @@ class Context:
         finite the step is skipped: every ``.grad`` is ``None`` on every rank, so
         ``optimizer.step()`` changes nothing. Clear the gradients (``optimizer.zero_grad()``)
         before the next step, as in any loop. Every rank must call it once per global batch; a
-        tower with no samples passes ``loss=None, samples=0``. Not available under
+        tower with no samples passes ``loss=None, samples=0``. Under autocast, pass the loss
+        as it comes; with float16, pass the ``torch.amp.GradScaler`` as ``scaler`` and give it
+        the unscaled loss: the gradients come out scaled for ``scaler.step(optimizer)``, and a
+        skipped step leaves NaN in every ``.grad`` (not ``None``), so that ``scaler.step``
+        skips and ``scaler.update()`` lowers the scale on every rank alike. Not available under
         ``towers run --elastic``, where a step interrupted by a lost worker must be redone
         inside :meth:`step`.
 
@@ -297,7 +307,10 @@ class Context:
             )
         if not isinstance(self._state.plan, EveryStep):
             raise ValueError(BACKWARD_IN_DILOCO)
-        return self._run_step(loss, samples, None)
+        result = self._run_step(loss, samples, None, check_scaler(scaler))
+        if result.skipped and scaler is not None:
+            poison_grads(self._driver.params)
+        return result
 
     def step(
         self,
@@ -364,18 +377,9 @@ class Context:
             ...              batch_size=256)  # doctest: +SKIP
             {'loss': 0.31}
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if not callable(fn):
-            raise TypeError(f"fn must be callable (model, batch) -> dict, got {type(fn).__name__}")
-
-        def batches(data: Any, parts: list[torch.Tensor]) -> Iterator[Any]:
-            return (take(data, indices, collate_fn) for indices in parts)
-
         model = self._state.evaluated(model)
-        part = evaluate_part(
-            model, data, fn, batch_size, self.device, self.rank, self.world_size, batches, "fn"
-        )
+        where = (self.device, self.rank, self.world_size)
+        part = evaluate_loop_data(model, data, fn, batch_size, collate_fn, *where)
         self.comm.agree_call("ctx.evaluate")
         return combine(self.comm.all_gather_object(part))
 

@@ -13,23 +13,29 @@ from ..core.args import check_timeout
 from ..core.launch import read_launch
 from ..engines.sync.group import ElasticGroup, PlainGroup
 from .context import Context
+from .device import loop_placement
 
 __all__ = ["init"]
 
 
 def init(
-    *, backend: str | None = None, timeout: float | None = None, transport: str | None = None
+    *,
+    backend: str | None = None,
+    timeout: float | None = None,
+    transport: str | None = None,
+    device: str = "auto",
 ) -> Context:
     """Join the job this process was launched into and return its :class:`Context`.
 
     Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
     ``MASTER_PORT``), set by ``torchrun``, ``towers run`` and :func:`towers.spawn`, and joins the
-    process group over env:// (Gloo on CPU, NCCL when CUDA is available). Without those variables
-    the process is a world of one and no process group is created. Under
+    process group over env:// (NCCL for GPU workers, Gloo for CPU workers). Without those
+    variables the process is a world of one and no process group is created. Under
     ``towers run --elastic`` the job goes on without lost workers (docs/elastic.md).
 
     Args:
-        backend: ``"gloo"`` or ``"nccl"``; chosen from the hardware by default.
+        backend: ``"gloo"`` (CPU workers) or ``"nccl"`` (GPU workers); follows ``device`` by
+            default.
         timeout: seconds a rank may wait for the others (rendezvous or a collective) before
             the job fails; default 60. A dead or stuck worker thus ends the job instead of
             hanging it.
@@ -37,6 +43,11 @@ def init(
             host, CPU tensors), ``"gloo"``/``"nccl"`` (the process group), or ``"auto"``
             (default, or the ``TOWERS_TRANSPORT`` environment variable): shared memory where it
             applies, the process group otherwise. Every rank must ask for the same one.
+        device: ``"cuda"`` (this rank computes on ``cuda:LOCAL_RANK``, NCCL; an error if this
+            host has fewer GPUs than ranks), ``"cpu"`` (Gloo or shared memory), or ``"auto"``
+            (default: ``"cuda"`` when every rank on this host has a GPU of its own, else
+            ``"cpu"``). :attr:`Context.device` says which; ranks that chose differently
+            are refused at the rendezvous.
 
     Example:
         >>> ctx = towers.init()
@@ -50,11 +61,14 @@ def init(
             "script without --mode, or train with towers.train(..., mode=...)"
         )
     timeout = check_timeout(timeout)
-    if not launch.elastic:
-        plain = connect(launch, backend=backend, timeout=timeout, transport=transport)
-        return Context(PlainGroup(plain))
-    if backend not in (None, "gloo") or transport == "nccl":
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if launch.elastic and (backend == "nccl" or transport == "nccl"):
         raise ValueError("towers run --elastic runs CPU workers: use backend='gloo'")
+    placement = loop_placement(device, launch, backend, transport)
+    if not launch.elastic:
+        plain = connect(launch, timeout=timeout, transport=transport, device=placement.kind)
+        return Context(PlainGroup(plain))
     elastic = ElasticConnection(launch, transport or "auto", timeout, joining=launch.joining)
     group = ElasticGroup(elastic)
     group.join()  # rank and world size are known from here on

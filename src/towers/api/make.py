@@ -8,6 +8,7 @@ and one shard's loss are built and computed here), and the checkpoint directory 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from typing import Any
@@ -21,6 +22,7 @@ from ..engines.checkpoint import estimate_bytes
 from ..engines.job import Job, default_optimizer
 from ..engines.transforms import check_transform, compression
 from ..processes.guard import check_main_guard
+from .device import train_placement
 from .epochs import announce_epochs
 from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
 from .options import check_options, preflight_eval, refuse_loader
@@ -101,8 +103,11 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     if not launched and (workers > 1 or mode.servers or args["max_restarts"]):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
     check_elastic(args["elastic"], mode, args["transport"], launch)
+    placement = train_placement(
+        args["device"], mode, workers, launch, args["transport"], args["elastic"]
+    )
     job = Job(
-        model=model,
+        model=_on_cpu(model),
         loss_fn=args["loss_fn"],
         data=data,
         steps=_total_steps(args["steps"], args["epochs"], n, batch_size),
@@ -119,16 +124,29 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
         elastic=bool(args["elastic"]),
         transform=reduction(args["transform"], args["compress"], model, mode),
         outer_optimizer=args["outer_optimizer"],
+        device=placement.kind,
         **{k: args[k] for k in _AS_GIVEN},
     )
-    preflight(job, workers)
+    here = launched or (workers + mode.servers == 1 and not args["max_restarts"])
+    # GPU workers in processes of their own check their loss at their first step: computed
+    # here, it would hold a CUDA context on their GPU for the whole run.
+    probe = placement.device if here or not placement.cuda else None
+    preflight(job, workers, probe)
     if job.checkpoint is not None and (not launched or launch.rank == 0):
         checkpoint_files.prepare_directory(job.checkpoint, estimate_bytes(model, n))
-    preflight_eval(job, workers)
+    preflight_eval(job, workers, probe)
     return job, RunPlan(workers, launched, args["max_restarts"])
 
 
 _OPTIONS = ("eval_data", "eval_fn", "eval_every", "lr_interval", "collate_fn", "num_workers")
+
+
+def _on_cpu(model: Any) -> Any:
+    """The job's copy of ``model``, on the CPU: every worker moves its own copy to its device
+    (a model sent on a GPU would be rebuilt on that GPU in every worker)."""
+    if all(t.device.type == "cpu" for t in (*model.parameters(), *model.buffers())):
+        return model
+    return copy.deepcopy(model).cpu()
 
 
 def _total_steps(steps: int | None, epochs: int | None, samples: int, batch_size: int) -> int:

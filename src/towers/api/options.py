@@ -137,10 +137,10 @@ def _pickles(name: str, obj: Any) -> None:
         ) from None
 
 
-def preflight_eval(job: Job, workers: int) -> None:
-    """Evaluate the first tower's share of the first evaluation batch in the caller, to report
-    a bad ``eval_fn`` here rather than from a worker."""
-    if job.eval_data is None:
+def preflight_eval(job: Job, workers: int, device: torch.device | None) -> None:
+    """Evaluate the first tower's share of the first evaluation batch in the caller, on
+    ``device``, to report a bad ``eval_fn`` here rather than from a worker (``None``: not)."""
+    if job.eval_data is None or device is None:
         return
     first = split(torch.arange(min(job.batch_size, num_samples(job.eval_data))), workers)[0]
     if is_dataset(job.eval_data):
@@ -149,4 +149,4 @@ def preflight_eval(job: Job, workers: int) -> None:
         probe = take(job.eval_data, first)
     small = dataclasses.replace(job, eval_data=probe, num_workers=0)
     with torch.random.fork_rng(devices=[]):
-        combine([evaluate(small, copy.deepcopy(job.model), torch.device("cpu"), 0, 1)])
+        combine([evaluate(small, copy.deepcopy(job.model).to(device), device, 0, 1)])

@@ -78,6 +78,7 @@ def train(
     transform: GradientTransform | None = None,
     compress: str | None = None,
     outer_optimizer: OptimizerFactory | None = None,
+    device: str = "auto",
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -191,6 +192,14 @@ def train(
             which take the towers' mean pseudo-gradient as their gradient; default Nesterov
             SGD with lr 0.7 and momentum 0.9 (DiLoCo's). ``functools.partial(torch.optim.SGD,
             lr=1.0)`` makes each outer step the plain average of the towers' parameters.
+        device: where the workers compute: ``"cuda"`` (every worker on its own GPU,
+            ``cuda:LOCAL_RANK``, summing over NCCL; refused before any worker starts if this
+            host has fewer GPUs than workers), ``"cpu"`` (Gloo or shared memory), or
+            ``"auto"`` (default: ``"cuda"`` when this host has a GPU for every worker, else
+            ``"cpu"``; where a GPU is visible, one line on stderr says which). ``elastic=True``
+            runs CPU workers; the asynchronous modes' server is one more process, with a GPU of
+            its own. Choose the GPUs with ``CUDA_VISIBLE_DEVICES``; ``workers=1`` in sync mode
+            trains in this process, on its GPU.
 
     Returns:
         A :class:`TrainResult`.

@@ -24,7 +24,7 @@ from ..core.messages import shorten
 from ..core.modes import Engine, Mode, parse_mode
 from ..core.split import leaves, split
 from ..engines.job import Job
-from ..engines.replica import check_loss
+from ..engines.replica import check_loss, to_device
 from ..engines.sync.mode import SyncMode
 from ..processes.env import cpu_count
 from ..processes.pack import check_picklable as pickles
@@ -233,8 +233,9 @@ def _check_factory(name: str, factory: Any, arg: Any, expected: type, example: s
     return built
 
 
-def preflight(job: Job, workers: int) -> None:
-    """Build the optimizer and schedule and compute one shard's loss, in this process."""
+def preflight(job: Job, workers: int, device: torch.device | None) -> None:
+    """Build the optimizer and schedule and compute one shard's loss on ``device``, in this
+    process (``None``: no loss, where the workers are processes with GPUs of their own)."""
     with torch.random.fork_rng(devices=[]):
         probe = copy.deepcopy(job.model)
         opt = _check_factory(
@@ -252,9 +253,11 @@ def preflight(job: Job, workers: int) -> None:
                 torch.optim.lr_scheduler.LRScheduler,
                 "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=100, gamma=0.5)",
             )
+        if device is None:
+            return
         first = next(global_batches(num_samples(job.data), job.batch_size, job.shuffle, job.seed))
         shard = take(job.data, split(first, workers)[0], job.collate_fn)
-        check_loss(job.loss_fn(probe, shard), model=probe)
+        check_loss(job.loss_fn(probe.to(device), to_device(shard, device)), model=probe)
 
 
 def check_elastic(elastic: Any, mode: Mode, transport: str | None, launch: Launch) -> None:
@@ -275,7 +278,7 @@ def check_elastic(elastic: Any, mode: Mode, transport: str | None, launch: Launc
             f"goes to the others, with exact results); mode {str(mode)!r} already goes on "
             "without a dead worker: drop elastic=True"
         )
-    if transport == "nccl" or (transport in (None, "auto") and torch.cuda.is_available()):
+    if transport == "nccl":
         raise ValueError(
             "elastic=True runs CPU workers (Gloo or shared memory); pass transport='gloo' or "
             "'shm', or drop elastic=True to train on GPUs"

@@ -81,9 +81,7 @@ def _store(launch: Launch, secret: JobSecret | None, timeout: timedelta) -> Any:
     return job_store(raw, secret)
 
 
-def init_process_group(
-    launch: Launch, backend: str | None = None, timeout: float | None = None
-) -> Any:
+def init_process_group(launch: Launch, backend: str = "gloo", timeout: float | None = None) -> Any:
     """Initialise the default process group of the job ``launch`` describes.
 
     Under torchrun the agent's store is used, one key space per restart attempt. A job of our
@@ -94,8 +92,6 @@ def init_process_group(
     """
     if dist.is_initialized():
         return dist.group.WORLD
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
     wait = timedelta(seconds=DEFAULT_TIMEOUT if timeout is None else timeout)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": wait}
     if backend == "nccl":
@@ -105,7 +101,7 @@ def init_process_group(
     store = _store(launch, launch.job_secret, wait)
     if not is_loopback(addr):
         choose_interface(addr, backend)
-    join(store, rank, world, wait, f"{addr}:{port}")
+    join(store, rank, world, wait, f"{addr}:{port}", backend)
     dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
     return dist.group.WORLD
 
@@ -144,27 +140,34 @@ def check_transport(transport: str | None, launched: str | None = None) -> str:
 def connect(
     launch: Launch,
     *,
-    backend: str | None = None,
     timeout: float | None = None,
     transport: str | None = None,
+    device: str = "cpu",
 ) -> Connection:
-    """Join the job ``launch`` describes (a world of one if the process was not launched)."""
+    """Join the job ``launch`` describes (a world of one if the process was not launched).
+
+    ``device``: ``"cuda"`` (this rank computes on ``cuda:LOCAL_RANK`` and the group is NCCL's)
+    or ``"cpu"`` (Gloo); chosen above this layer (:func:`towers.core.devices.place`).
+    """
     transport = check_transport(transport, launch.transport)
-    if transport != "auto":
-        backend = backend or ("gloo" if transport == "shm" else transport)
+    local_rank = launch.local_rank if launch.launched else 0
+    here = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(here)
     if not launch.launched:
-        return Connection(LocalComm(), torch.device("cpu"))
-    local_rank = launch.local_rank
+        return Connection(LocalComm(), here)
     owns_group = not dist.is_initialized()
-    group = init_process_group(launch, backend, timeout)
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+    group = init_process_group(launch, "nccl" if device == "cuda" else "gloo", timeout)
+    if (dist.get_backend(group) == "nccl") != (device == "cuda"):
+        raise ValueError(
+            f"this process already belongs to a {dist.get_backend(group)} process group, and "
+            f"device={device!r} needs {'nccl' if device == 'cuda' else 'gloo'}: pass the "
+            "device that matches the group, or let towers create the group"
+        )
     wait = DEFAULT_TIMEOUT if timeout is None else timeout
     secret = launch.job_secret
     comm = choose_transport(DistComm(group, wait, secret=secret), transport, wait)
-    return Connection(comm, device, local_rank, owns_group, secret)
+    return Connection(comm, here, local_rank, owns_group, secret)
 
 
 def choose_transport(base: DistComm, transport: str, timeout: float) -> Comm:

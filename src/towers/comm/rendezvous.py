@@ -39,18 +39,24 @@ def choose_interface(addr: str, backend: str) -> None:
         log.debug("towers: Gloo uses interface %s, which routes to MASTER_ADDR %s", name, addr)
 
 
-def join(store: Any, rank: int, world: int, timeout: timedelta, where: str) -> None:
-    """Check in under ``towers/joined/RANK`` and wait for every rank to, for up to ``timeout``.
+def join(
+    store: Any, rank: int, world: int, timeout: timedelta, where: str, backend: str = "gloo"
+) -> None:
+    """Check in under ``towers/joined/RANK`` and wait for every rank to, for up to ``timeout``;
+    then check that every rank asks for the same ``backend``.
 
     Raises:
         TimeoutError: naming the ranks that never checked in.
+        ValueError: some ranks would build a NCCL group and others a Gloo one (GPU workers on
+            some hosts, CPU workers on others), which would hang instead of failing.
     """
-    store.set(f"towers/joined/{rank}", f"{socket.gethostname()} {os.getpid()}")
+    store.set(f"towers/joined/{rank}", f"{socket.gethostname()} {os.getpid()} {backend}")
     deadline = time.monotonic() + timeout.total_seconds()
     missing = list(range(world))
     while True:
         missing = [r for r in missing if not store.check([f"towers/joined/{r}"])]
         if not missing:
+            _same_backend(store, rank, world, backend)
             return
         if time.monotonic() > deadline:
             ranks = ", ".join(map(str, missing))
@@ -60,3 +66,18 @@ def join(store: Any, rank: int, world: int, timeout: timedelta, where: str) -> N
                 "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and can their hosts reach this address?"
             )
         time.sleep(0.02)
+
+
+def _same_backend(store: Any, rank: int, world: int, backend: str) -> None:
+    """Every rank checked in with the same backend; else name the first one that did not."""
+    if world > 256:  # one read per rank: keep the rendezvous of big jobs as it was
+        return
+    for r in range(world):
+        host, _pid, theirs = store.get(f"towers/joined/{r}").decode().split(" ")
+        if theirs != backend:
+            raise ValueError(
+                f"rank {rank} computes with {backend} and rank {r} (on {host}) with {theirs}: "
+                "every rank of a job must use the same device kind. A host with fewer GPUs than "
+                "workers falls back to CPU workers under device='auto'; pass device='cuda' or "
+                "device='cpu' on every host"
+            )

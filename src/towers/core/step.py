@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = [
+    "Finite",
     "StepMeta",
     "StepResult",
     "Tally",
@@ -29,6 +30,9 @@ __all__ = [
     "apply_sums",
     "assign_grads",
     "assign_mean",
+    "both_finite",
+    "divide_on_device",
+    "finite_flag",
     "step_result",
     "sum_grads",
 ]
@@ -71,6 +75,37 @@ def all_finite(t: torch.Tensor) -> bool:
     if not t.is_floating_point() and not t.is_complex():
         return True
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+Finite = bool | torch.Tensor  # a bool, or a 0-dim bool tensor on a GPU not yet read
+
+
+def finite_flag(t: torch.Tensor) -> Finite:
+    """Whether every element of ``t`` is finite: :func:`all_finite` on the CPU; on a GPU a
+    0-dim tensor, computed in the stream and read with the step's other numbers, so that the
+    host never waits for it while backward is still being queued."""
+    if t.device.type == "cpu":
+        return all_finite(t)
+    return torch.isfinite(t).all()
+
+
+def both_finite(a: Finite, b: Finite) -> Finite:
+    """``a and b`` for :data:`Finite` values, without reading a tensor."""
+    if a is False or b is False:
+        return False
+    if a is True:
+        return b
+    if b is True:
+        return a
+    return torch.logical_and(a, b)
+
+
+def _read_finite(flags: Sequence[Finite]) -> bool:
+    """All of ``flags`` true; the tensors among them read in one transfer."""
+    if any(f is False for f in flags):
+        return False
+    tensors = [f for f in flags if isinstance(f, torch.Tensor)]
+    return not tensors or bool(torch.stack([t.to(tensors[0].device) for t in tensors]).all())
 
 
 @dataclass(frozen=True)
@@ -125,13 +160,25 @@ class StepMeta:
         meta[-1] = 1.0 if regroup else 0.0
         return meta
 
+    def place(
+        self, meta: torch.Tensor, rank: int, loss_sum: torch.Tensor | None, finite: Finite
+    ) -> None:
+        """Write into ``meta`` (:meth:`pack`'s vector, on a GPU) this tower's loss sum and
+        non-finite flag while they are still tensors on that GPU, without reading them."""
+        w = self.world
+        if loss_sum is not None:
+            meta[w + rank : w + rank + 1].copy_(loss_sum.detach().reshape(1))
+        if isinstance(finite, torch.Tensor):
+            meta[2 * w + rank : 2 * w + rank + 1].copy_(finite.logical_not().reshape(1))
+
     def read(self, summed: torch.Tensor) -> Tally:
-        """The tally of a vector summed over every tower."""
+        """The tally of a vector summed over every tower (a loss sum that is not finite reads
+        as ``nan``)."""
         values = summed.double().cpu().tolist()
         w = self.world
         return Tally(
             counts=[round(c) for c in values[:w]],
-            sums=values[w : 2 * w],
+            sums=[v if math.isfinite(v) else math.nan for v in values[w : 2 * w]],
             culprits=[r for r, f in enumerate(values[2 * w : 3 * w]) if f > 0],
             had_grad=[g > 0 for g in values[3 * w : 3 * w + self.params]],
             regroup=values[-1] > 0,
@@ -156,16 +203,17 @@ def assign_grads(
     params: Sequence[torch.Tensor],
     flat: torch.Tensor,
     slots: Sequence[tuple[int, int, int]],
-    total: int,
+    total: int | None,
     had_grad: Sequence[bool],
 ) -> None:
     """Divide summed gradients by ``total`` and hand them to the parameters as views.
 
     ``slots``: ``(parameter index, start, stop)`` of each parameter in ``flat``. A parameter no
     tower had a gradient for keeps ``grad = None``, as in a single process, so optimizers such as
-    Adam leave it alone.
+    Adam leave it alone. ``total=None``: ``flat`` is divided already.
     """
-    flat.div_(total)
+    if total is not None:
+        flat.div_(total)
     for i, start, stop in slots:
         p = params[i]
         p.grad = flat[start:stop].view_as(p) if had_grad[i] else None
@@ -175,19 +223,44 @@ def apply_sums(
     params: Sequence[torch.Tensor],
     tally: Tally,
     sums: Iterable[tuple[torch.Tensor, Sequence[tuple[int, int, int]]]],
+    finite: bool | None = None,
+    divided: bool = False,
 ) -> StepResult:
     """Decide a step from its tally and summed gradients, and hand out the mean gradients.
 
     ``sums``: each flat tensor of summed gradients with the ``(parameter index, start, stop)``
     slots it holds. Unless the step is skipped (a tower at fault, or a sum not finite), every
     parameter gets its share divided by the total sample count (:func:`assign_grads`).
+    ``finite``: whether every sum is finite, if the caller knows (else it is checked here);
+    ``divided``: the sums are divided by the total already (:func:`divide_on_device`).
     """
     sums = list(sums)
-    result = step_result(tally, all(all_finite(flat) for flat, _ in sums))
+    if finite is None:
+        finite = _read_finite([finite_flag(flat) for flat, _ in sums])
+    result = step_result(tally, finite)
     if not result.skipped:
         for flat, slots in sums:
-            assign_grads(params, flat, slots, tally.total, tally.had_grad)
+            assign_grads(params, flat, slots, None if divided else tally.total, tally.had_grad)
     return result
+
+
+def divide_on_device(
+    tail: torch.Tensor, world: int, flats: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, bool]:
+    """On a GPU: check and divide the summed gradients, then read the step's numbers at once.
+
+    ``tail``: the summed metadata (:class:`StepMeta` first, its counts in the first ``world``
+    values). Every flat sum is checked for a non-finite value and divided by the total count in
+    the stream, before the host waits for anything: the host then reads ``tail`` and the
+    checks in one transfer, and the optimizer's kernels follow the step's without a gap.
+    Returns the tail on the host and whether every sum was finite.
+    """
+    flags = torch.stack([torch.isfinite(flat).all() for flat in flats])
+    total = tail[:world].sum()
+    for flat in flats:
+        flat.div_(total)
+    host = torch.cat([tail.double(), flags.double()]).cpu()
+    return host[: tail.numel()], bool(host[tail.numel() :].all())
 
 
 def sum_grads(tower_grads: Sequence[Sequence[torch.Tensor | None]]) -> list[torch.Tensor | None]:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..core.devices import moved
 from ..core.messages import first_line
 
 __all__ = [
@@ -150,7 +151,7 @@ def save(directory: str | os.PathLike[str], step: int, kind: str, payload: dict[
     """Write ``payload`` as ``kind``'s checkpoint of ``step`` atomically; keep the newest two."""
     header = {"format": "towers", "version": VERSION, "kind": kind, "step": step}
     assert kind in KINDS and not set(header) & set(payload), (kind, sorted(payload))
-    state = header | payload
+    state = moved(header | payload, "cpu")  # a checkpoint written on GPUs loads anywhere
     state["sha256"] = digest(state)
     # Serialise in memory first: a full disk then fails in a plain write with ENOSPC, not deep
     # in torch's zip writer ("unexpected pos").

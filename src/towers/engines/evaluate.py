@@ -17,13 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.data import num_samples
+from ..core.data import num_samples, take
 from ..core.split import split
 from .fetch import Fetcher, load
 from .job import Job
 from .replica import to_device
 
-__all__ = ["MetricsFn", "Partial", "combine", "due", "evaluate", "evaluate_part"]
+__all__ = [
+    "MetricsFn",
+    "Partial",
+    "combine",
+    "due",
+    "evaluate",
+    "evaluate_loop_data",
+    "evaluate_part",
+]
 
 Partial = tuple[dict[str, float], int]  # each metric summed over samples, and the samples
 MetricsFn = Callable[[nn.Module, Any], Mapping[str, Any]]  # (model, batch) -> {name: mean}
@@ -91,6 +99,28 @@ def evaluate_part(
     finally:
         model.train(was_training)
     return sums, sum(len(m) for m in mine)
+
+
+def evaluate_loop_data(
+    model: nn.Module,
+    data: Any,
+    fn: MetricsFn,
+    batch_size: int,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> Partial:
+    """This rank's part of the own loop's ``ctx.evaluate``, its arguments checked first."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (model, batch) -> dict, got {type(fn).__name__}")
+
+    def batches(data: Any, parts: list[torch.Tensor]) -> Iterable[Any]:
+        return (take(data, indices, collate_fn) for indices in parts)
+
+    return evaluate_part(model, data, fn, batch_size, device, rank, world, batches, "fn")
 
 
 def evaluate(

@@ -85,6 +85,7 @@ class Job:
     sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (engines/syncbn.py)
     transform: GradientTransform | None = None  # how a bucket is reduced; None: a plain sum
     outer_optimizer: OptimizerFactory | None = None  # diloco's outer steps; None: the default
+    device: str = "cpu"  # "cuda": every worker on its own GPU (cuda:LOCAL_RANK), over NCCL
 
     @property
     def asynchronous(self) -> bool:

@@ -9,7 +9,6 @@ schedule up to a global batch here.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -31,7 +30,22 @@ def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    return map_batch(lambda t: torch.as_tensor(t).to(device), batch)
+    """``batch`` with every tensor moved to ``device``.
+
+    To a GPU through pinned memory without waiting: a copy from pageable memory makes the host
+    wait for everything queued on the GPU before it (the last step's update), and the GPU then
+    idles while the host queues the next forward. The pinned buffer is kept until the copy is
+    done (torch's pinned-memory allocator records the copy).
+    """
+    if device.type == "cpu":
+        return map_batch(lambda t: torch.as_tensor(t).to(device), batch)
+    return map_batch(lambda t: _to_gpu(torch.as_tensor(t), device), batch)
+
+
+def _to_gpu(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device.type != "cpu":
+        return t.to(device)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
 def check_loss(loss: Any, where: str = "loss_fn", model: nn.Module | None = None) -> None:
@@ -90,15 +104,19 @@ def _reaches(loss: torch.Tensor, model: nn.Module) -> bool:
     return id(loss) in params
 
 
-def backward_weighted(loss: torch.Tensor, samples: int) -> float:
-    """Backpropagate ``loss * samples`` and return that loss sum (``nan`` if not finite).
+def backward_weighted(loss: torch.Tensor, samples: int, scaler: Any = None) -> torch.Tensor:
+    """Backpropagate ``loss * samples`` and return that loss sum, a detached 0-dim tensor.
 
     A tower's mean loss times its sample count: summed over towers and divided by the total
     count, the gradients give the gradient of the mean loss over the whole global batch.
+    With a ``torch.amp.GradScaler``, ``scaler.scale(loss * samples)`` is backpropagated (the
+    gradients come out scaled, as ``scaler.step`` expects) and the loss sum returned unscaled.
+    The sum is not read here: on a GPU that would wait for the forward (and, after the
+    backward, for the backward too); the step reads it with the others' sums.
     """
-    value = float(loss.detach())
-    (loss * samples).backward()
-    return value * samples if math.isfinite(value) else math.nan
+    weighted = loss * samples
+    (weighted if scaler is None else scaler.scale(weighted)).backward()
+    return loss.detach().double() * samples
 
 
 def backward_shard(
@@ -110,7 +128,7 @@ def backward_shard(
     before_last: Callable[[], None] | None = None,
     slow: float = 1.0,
     fetch: Callable[[list[torch.Tensor]], Iterable[Any]] | None = None,
-) -> tuple[float, int]:
+) -> tuple[float | torch.Tensor, int]:
     """Backpropagate the samples at ``indices`` in ``job.accumulate`` micro-batches.
 
     ``before_last`` runs before the last micro-batch's backward (the sync engine arms its
@@ -120,11 +138,13 @@ def backward_shard(
     indices into batches (default: :func:`~towers.engines.fetch.load`).
 
     Returns:
-        ``(loss sum, samples)`` over the shard; the loss sum is ``nan`` if a loss was not finite.
+        ``(loss sum, samples)`` over the shard; the loss sum is a 0-dim tensor on ``device``
+        (0.0 for an empty shard), read by the caller when the step needs it.
     """
     micro = [m for m in split(indices, job.accumulate) if len(m)]
     began = time.perf_counter()
-    loss_sum, samples = 0.0, 0
+    loss_sum: float | torch.Tensor = 0.0
+    samples = 0
     batches = load(job, job.data, micro) if fetch is None else fetch(micro)
     for i, (m, batch) in enumerate(zip(micro, batches, strict=True)):
         if before_last is not None and i == len(micro) - 1 and slow <= 1.0:

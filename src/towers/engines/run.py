@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..comm.group import Connection, connect
 from ..core.data import BatchOrder, num_samples
 from ..core.launch import read_launch
@@ -55,8 +53,8 @@ def run_job(job: Job, resume: dict[str, Any] | None) -> EngineResult | None:
     engine = _ENGINES[job.mode.engine]
     transport = job.transport
     if engine.point_to_point:
-        transport = "nccl" if torch.cuda.is_available() else "gloo"
-    conn = connect(read_launch(), timeout=job.timeout, transport=transport)
+        transport = "nccl" if job.device == "cuda" else "gloo"
+    conn = connect(read_launch(), timeout=job.timeout, transport=transport, device=job.device)
     try:
         return engine.train(job, conn, resume)
     finally:

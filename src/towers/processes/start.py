@@ -7,7 +7,10 @@ them itself: about 2.5 s of a first ``towers.train`` call, in which nothing else
 workers are forked from the caller, as PyTorch's DataLoader forks its loading processes, unless:
 
 - the caller has initialised CUDA (a forked child cannot use it) or joined a process group
-  (the child would inherit its sockets): then a fork server starts them;
+  (the child would inherit its sockets): then a fork server starts them. CUDA counts as
+  initialised once its driver library is loaded, not only once torch has set up its state:
+  ``torch.cuda.is_available()`` loads the driver (``cuInit``) without the latter, and a child
+  forked after it fails at its first CUDA call;
 - the caller has loaded an OpenMP runtime whose thread pool cannot be released: a child forked
   from a process whose pool exists hangs in its first parallel region (GNU libgomp is not
   fork-safe). Before forking, the pool is released with ``omp_pause_resource_all``, which the
@@ -42,6 +45,7 @@ __all__ = ["METHODS", "START_ENV", "Starter", "starter"]
 START_ENV = "TOWERS_START_METHOD"
 METHODS = ("auto", "fork", "forkserver", "spawn")
 _OPENMP = ("libgomp", "libiomp", "libomp")
+_CUDA_DRIVER = "libcuda.so"  # loaded by cuInit; NVML (device counts) is libnvidia-ml
 _OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free every resource, threads included
 
 
@@ -100,16 +104,33 @@ def _can_fork() -> bool:
         return False
     if torch.cuda.is_initialized() or (dist.is_available() and dist.is_initialized()):
         return False
-    return _release_openmp()
+    loaded = _mapped_files()
+    if loaded is None:
+        return False
+    if any(os.path.basename(p).startswith(_CUDA_DRIVER) for p in loaded):
+        return False
+    return _release_openmp(loaded)
 
 
-def _release_openmp() -> bool:
-    """Free this thread's OpenMP pool in every OpenMP runtime loaded; False if one cannot."""
+def _mapped_files() -> set[str] | None:
+    """The files this process has mapped (its shared libraries among them); ``None`` if
+    ``/proc`` cannot tell."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if any(n in line for n in _OPENMP)}
+            return {fields[-1] for line in f if len(fields := line.split()) >= 6}
     except OSError:
+        return None
+
+
+def _release_openmp(loaded: set[str] | None = None) -> bool:
+    """Free this thread's OpenMP pool in every OpenMP runtime loaded; False if one cannot.
+
+    ``loaded``: the paths of the shared libraries this process has mapped (read if not given).
+    """
+    loaded = _mapped_files() if loaded is None else loaded
+    if loaded is None:
         return False
+    paths = {p for p in loaded if any(n in p for n in _OPENMP)}
     for path in sorted(p for p in paths if p.startswith("/")):
         try:
             pause = ctypes.CDLL(path).omp_pause_resource_all

@@ -48,9 +48,10 @@ class Tower:
         """Backpropagate shard ``(h.step, h.shard)`` into ``out``; the answer's header fields."""
         model = self.replica.model
         mine = split(self.batches.get(h.step), self.towers)[h.shard]
-        loss_sum, samples = backward_shard(
+        summed, samples = backward_shard(
             self.job, model, mine, self.device, slow=self.slow, fetch=self._fetch
         )
+        loss_sum = float(summed)
         finite = self.layout.write_grads(out, model) and math.isfinite(loss_sum)
         fields: dict[str, Any] = {"step": h.step, "shard": h.shard, "samples": samples}
         fields |= {"loss": loss_sum, "bad": not finite}

@@ -26,11 +26,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ...core.devices import moved
 from ...core.step import StepResult
 from ..broadcast import broadcast_module, verify_same_model
 from ..replica import backward_weighted
 from ..transforms import GradientTransform, check_transform, start_from
-from .gradsync import DEFAULT_BUCKET_BYTES, BucketPlan, GradientSync
+from .gradsync import BucketPlan, GradientSync, bucket_bytes_for
 from .group import Group
 
 __all__ = ["Owner", "SyncDriver"]
@@ -73,7 +74,7 @@ class SyncDriver:
         self.sync: GradientSync | None = None
         self.state: Any = None  # the transform's committed state
         self.samples = 0  # this tower's samples since the last reduce()
-        self.loss_sum = 0.0  # and their loss sum
+        self.loss_sum: float | torch.Tensor = 0.0  # and their loss sum (a tensor, unread)
         self._settled: list[torch.Tensor] = []  # buffers after the last completed step
 
     # -- the model -------------------------------------------------------------------------
@@ -81,16 +82,18 @@ class SyncDriver:
     def replicate(
         self,
         model: nn.Module,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         breaks: Sequence[int] = (),
     ) -> nn.Module:
         """Give every rank the same parameters and buffers, and attach the hooks.
 
+        ``bucket_bytes``: default 4 MiB on the CPU, 25 MiB on a GPU (:func:`bucket_bytes_for`).
         ``breaks``: trainable-parameter indices where a bucket must end (see
         :meth:`launch`'s ``buckets``).
         """
         model.to(self.device)
-        plan = BucketPlan.of(list(model.parameters()), bucket_bytes, breaks)
+        size = bucket_bytes_for(self.device) if bucket_bytes is None else bucket_bytes
+        plan = BucketPlan.of(list(model.parameters()), size, breaks)
         if not plan.params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         self.remove()
@@ -128,10 +131,13 @@ class SyncDriver:
     def gather_streams(self) -> dict[str, list[Any]]:
         """Every rank's random stream and transform state (a collective), for a checkpoint."""
         comm = self.group.comm
-        return {
+        streams = {
             "rng": comm.all_gather_object(torch.get_rng_state()),
-            "transform": comm.all_gather_object(self.state),
+            "transform": comm.all_gather_object(moved(self.state, "cpu")),
         }
+        if self.device.type == "cuda":  # dropout on a GPU draws from the GPU's generator
+            streams["cuda_rng"] = comm.all_gather_object(torch.cuda.get_rng_state(self.device))
+        return streams
 
     def restore_streams(self, saved: dict[str, Any], reseed: int | None = None) -> None:
         """This rank's random stream and transform state from :meth:`gather_streams`' record.
@@ -141,15 +147,19 @@ class SyncDriver:
         """
         comm = self.group.comm
         rng, states = saved.get("rng"), saved.get("transform")
+        cuda_rng = saved.get("cuda_rng") if self.device.type == "cuda" else None
         if rng is not None and len(rng) == comm.world_size:
             torch.set_rng_state(rng[comm.rank])
+            if cuda_rng is not None and len(cuda_rng) == comm.world_size:
+                torch.cuda.set_rng_state(cuda_rng[comm.rank], self.device)
         elif rng is not None and reseed is not None:
             torch.manual_seed(reseed)
         if states is not None and self.plan is not None:
             if len(states) == comm.world_size:
-                self.state = states[comm.rank]
+                self.state = moved(states[comm.rank], self.device)
             else:
-                self.state = start_from(self.transform, states[0], self.plan.layouts)
+                first = moved(states[0], self.device)
+                self.state = start_from(self.transform, first, self.plan.layouts)
             self._sync().commit(self.state)
 
     @property
@@ -188,19 +198,20 @@ class SyncDriver:
         """The next backward is this step's last: reduce its gradients as they arrive."""
         self._sync().arm()
 
-    def add(self, loss_sum: float, samples: int) -> None:
+    def add(self, loss_sum: float | torch.Tensor, samples: int) -> None:
         """Count a backpropagated micro-batch: its loss summed over ``samples`` samples."""
         self.loss_sum += loss_sum
         self.samples += samples
 
-    def backward(self, loss: torch.Tensor, samples: int) -> None:
-        """Backpropagate ``loss * samples`` and count it (see :func:`backward_weighted`)."""
-        self.add(backward_weighted(loss, samples), samples)
+    def backward(self, loss: torch.Tensor, samples: int, scaler: Any = None) -> None:
+        """Backpropagate ``loss * samples`` (scaled by ``scaler``, a ``GradScaler``, if given)
+        and count it (see :func:`backward_weighted`)."""
+        self.add(backward_weighted(loss, samples, scaler), samples)
 
     def take(self) -> tuple[float, int]:
         """The loss sum and samples counted since the last reduction, no longer counted: for a
         step that this tower takes alone (DiLoCo's inner steps)."""
-        counted = self.loss_sum, self.samples
+        counted = float(self.loss_sum), self.samples
         self.samples, self.loss_sum = 0, 0.0
         return counted
 

@@ -34,12 +34,33 @@ import torch
 from ...comm.base import Comm, Levels
 from ...comm.hierarchy import share
 from ...core.agree import BatchStamp
-from ...core.step import StepMeta, StepResult, all_finite, apply_sums
+from ...core.step import (
+    Finite,
+    StepMeta,
+    StepResult,
+    apply_sums,
+    both_finite,
+    divide_on_device,
+    finite_flag,
+)
 from ..transforms import Bucket, BucketLayout, GradientTransform
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "BucketPlan", "GradientSync"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "GPU_BUCKET_BYTES",
+    "BucketPlan",
+    "GradientSync",
+    "bucket_bytes_for",
+]
 
-DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024  # CPU workers: measured best on shared memory
+GPU_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb: each bucket costs a few launches
+
+
+def bucket_bytes_for(device: torch.device) -> int:
+    """The default bucket size on ``device``: on a GPU every bucket costs kernel launches (its
+    packing, its finite check, its division), which a 4 MiB bucket does not repay there."""
+    return DEFAULT_BUCKET_BYTES if device.type == "cpu" else GPU_BUCKET_BYTES
 
 
 def make_buckets(
@@ -156,7 +177,7 @@ class GradientSync:
         self._out: list[Bucket] = []
         self._next_state = self.state
         self._had_grad = torch.zeros(len(self.params), dtype=torch.float64)
-        self._bad_grad = False
+        self._finite: Finite = True  # every gradient packed so far (a tensor on a GPU)
 
     def commit(self, state: Any) -> None:
         """The transform state the next step starts from (the caller applied the last one)."""
@@ -186,14 +207,19 @@ class GradientSync:
 
     def _pack(self, b: int) -> None:
         buf = self.buffers[b]
-        for i, start, stop in self.slots[b]:
-            grad = self.params[i].grad
-            if grad is None:
-                buf[start:stop].zero_()
-            else:
-                buf[start:stop].copy_(grad.reshape(-1))
-                self._had_grad[i] = 1.0
-        self._bad_grad = self._bad_grad or not all_finite(buf)
+        grads = [self.params[i].grad for i, _, _ in self.slots[b]]
+        if buf.device.type != "cpu" and all(g is not None for g in grads):
+            # one kernel for the bucket: on a GPU, launches cost more than the copy itself
+            torch.cat([g.reshape(-1) for g in grads if g is not None], out=buf)
+            self._had_grad[[i for i, _, _ in self.slots[b]]] = 1.0
+        else:
+            for (i, start, stop), grad in zip(self.slots[b], grads, strict=True):
+                if grad is None:
+                    buf[start:stop].zero_()
+                else:
+                    buf[start:stop].copy_(grad.reshape(-1))
+                    self._had_grad[i] = 1.0
+        self._finite = both_finite(self._finite, finite_flag(buf))
 
     def _reduce(self, bucket: Bucket) -> None:
         levels = self.comm.levels
@@ -229,20 +255,25 @@ class GradientSync:
         self._pack(b)
         self._reduce(Bucket(b, self.buffers[b]))
 
-    def _launch_last(self, meta: torch.Tensor, last: int) -> None:
+    def _launch_last(self, meta: torch.Tensor, last: int, on_gpu: tuple[Any, Finite]) -> None:
+        """Reduce the last bucket with ``meta`` (built on the CPU) behind it; ``on_gpu``: the
+        loss sum and finite flag that are still GPU tensors, placed there without a wait."""
         grads = self.buffers[last]
+        if grads.device.type != "cpu":  # pinned and non-blocking: the host does not wait
+            meta = meta.pin_memory().to(grads.device, non_blocking=True)
+            self.meta.place(meta, self.comm.rank, *on_gpu)
         if self.meta_in_bucket and last == len(self.buckets) - 1:
             whole = self._storage[last]
             tail = whole[grads.numel() :]
             tail.copy_(meta)
             self._reduce(Bucket(last, grads, tail, whole))
         else:
-            self._reduce(Bucket(last, grads, meta.to(grads.device)))
+            self._reduce(Bucket(last, grads, meta))
 
     def finish(
         self,
         samples: int,
-        loss_sum: float,
+        loss_sum: float | torch.Tensor,
         stamp: torch.Tensor | None = None,
         regroup: bool = False,
     ) -> tuple[StepResult, Any]:
@@ -270,7 +301,7 @@ class GradientSync:
     def launch(
         self,
         samples: int,
-        loss_sum: float,
+        loss_sum: float | torch.Tensor,
         stamp: torch.Tensor | None = None,
         regroup: bool = False,
         buckets: Sequence[int] | None = None,
@@ -292,10 +323,18 @@ class GradientSync:
                 self._launch(b)
         last = chosen[-1]
         self._pack(last)
-        bad = not math.isfinite(loss_sum) or self._bad_grad
-        meta = self.meta.pack(self.comm.rank, samples, loss_sum, bad, self._had_grad, regroup)
+        # On a GPU the loss sum stays a tensor: reading it would wait for the whole backward.
+        pending = None
+        if isinstance(loss_sum, torch.Tensor) and loss_sum.device.type != "cpu":
+            pending, loss_sum = loss_sum, 0.0
+        loss_ok = finite_flag(pending) if pending is not None else math.isfinite(loss_sum)
+        finite = both_finite(self._finite, loss_ok)
+        meta = self.meta.pack(
+            self.comm.rank, samples, float(loss_sum), finite is False, self._had_grad, regroup
+        )
         self._checked = stamp is not None  # towers.train's loop builds the batches: no stamp
-        self._launch_last(torch.cat([meta, stamp if stamp is not None else self._no_stamp]), last)
+        meta = torch.cat([meta, stamp if stamp is not None else self._no_stamp])
+        self._launch_last(meta, last, (pending if samples else None, finite))
         self._chosen = chosen
 
     def land(self) -> tuple[StepResult, Any]:
@@ -303,6 +342,13 @@ class GradientSync:
         sums = [out.wait() for out in self._out]
         tail = sums[-1].tail
         assert tail is not None, "a gradient transform dropped the step's metadata"
+        chosen = [(self.buffers[b], self.slots[b]) for b in self._chosen]
+        for out, (buf, _) in zip(sums, chosen, strict=True):
+            if out.grads.data_ptr() != buf.data_ptr():
+                buf.copy_(out.grads)
+        finite, divided = None, tail.device.type != "cpu"
+        if divided:  # the host waits once per step, with nothing left to queue but the update
+            tail, finite = divide_on_device(tail, self.meta.world, [b for b, _ in chosen])
         if self._checked:
             try:
                 self.stamp.check(tail[self.meta.length :])
@@ -311,11 +357,7 @@ class GradientSync:
                 raise
         tally = self.meta.read(tail[: self.meta.length])
         self.regroup = tally.regroup
-        chosen = [(self.buffers[b], self.slots[b]) for b in self._chosen]
-        for out, (buf, _) in zip(sums, chosen, strict=True):
-            if out.grads.data_ptr() != buf.data_ptr():
-                buf.copy_(out.grads)
-        result = apply_sums(self.params, tally, chosen)
+        result = apply_sums(self.params, tally, chosen, finite, divided)
         state = self._next_state
         self._reset()
         return result, state
