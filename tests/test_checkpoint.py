@@ -218,3 +218,44 @@ def test_a_corrupt_or_empty_newest_file_falls_back_naming_both(tmp_path):
     newest.write_bytes(b"")
     with pytest.warns(RuntimeWarning, match=rf"{newest} cannot be read .*empty.*{previous}"):
         assert _checkpoint.load_latest(tmp_path, "sync")["step"] == 2
+
+
+def _diloco_loop(directory: Path, steps: range, save_at: int | None) -> dict[str, torch.Tensor]:
+    """An own loop in ``diloco:4`` over ``steps`` of one fixed stream of batches, resuming from
+    ``directory``; saves after ``save_at`` steps. Returns the trained (outer) parameters."""
+    x, y = regression_data(n=64)
+    ctx = towers.init()
+    model = ctx.replicate(make_net(), mode="diloco:4")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    start, _ = ctx.load_checkpoint(directory, model, opt)
+    assert start == steps.start
+    for k in steps:
+        ctx.step(mse(model, (x[k * 8 : k * 8 + 8], y[k * 8 : k * 8 + 8])), opt)
+        if ctx.steps == save_at:
+            ctx.save_checkpoint(directory, ctx.steps, model, opt)
+    ctx.end_period()
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    ctx.close()
+    return trained
+
+
+def test_own_loop_checkpoints_of_the_previous_layout_resume(tmp_path):
+    """Before version 3 an own loop kept its mode's keys under ``plan`` and its local model as
+    ``model``; such a file resumes as the current layout does."""
+    whole = _diloco_loop(tmp_path / "whole", range(8), None)
+    _diloco_loop(tmp_path / "new", range(6), save_at=6)  # mid-period: inner steps pending
+    resumed = _diloco_loop(tmp_path / "new", range(6, 8), None)
+    path = tmp_path / "new" / "step-00000006.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["version"] == 3 and "diloco" in state and "plan" not in state
+    state.pop("sha256")
+    plan = {"model": state["model"], "diloco": state.pop("diloco")}
+    state |= {"version": 2, "plan": plan, "model": plan["diloco"]["ranks"][0]["local"]["model"]}
+    state["sha256"] = _checkpoint.digest(state)
+    old = tmp_path / "old"
+    old.mkdir()
+    torch.save(state, old / path.name)
+    from_old = _diloco_loop(old, range(6, 8), None)
+    for name, value in whole.items():
+        torch.testing.assert_close(resumed[name], value, msg=name)
+        torch.testing.assert_close(from_old[name], value, msg=name)

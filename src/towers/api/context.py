@@ -40,11 +40,11 @@ from ..engines.sync.driver import SyncDriver
 from ..engines.sync.group import Group
 from ..engines.sync.mode import plan_for
 from ..engines.sync.plan import EveryStep
+from ..engines.sync.state import LastResult, RunState
 from ..engines.syncbn import convert_batchnorm
 from ..engines.transforms import GradientTransform
 from .amp import check_scaler, poison_grads
 from .loop_files import load_loop, save_loop
-from .loop_state import LoopState
 from .make import reduction
 from .mistakes import (
     BACKWARD_IN_DILOCO,
@@ -69,8 +69,11 @@ class Context:
         self._group = group
         self.local_rank = group.local_rank
         self.device = group.device
-        self._state = LoopState(group.joining)  # what an elastic group keeps consistent
+        self._last = LastResult()  # the last step's result: a peer's after a regroup
+        # what an elastic group keeps consistent; the user's batches cannot be replayed
+        self._state = RunState(EveryStep(), self._last, joining=group.joining, replays=False)
         self._driver = SyncDriver(group, owner=self._state)
+        self._redo = False  # the last step must be trained again (a peer was lost)
         self._shard_samples: int | None = None
         self._batch: tuple[int, int] | None = None  # the last global batch's size, fingerprint
         self._accumulated = False  # accumulate() ran since the last step
@@ -148,7 +151,7 @@ class Context:
         elif self.world_size > 1 and not averages_buffers(parsed):
             warn_unsynced_buffers(model, "ctx.replicate(model, sync_batchnorm=True)")
         transform = reduction(transform, compress, model)
-        self._state.model = model
+        self._state.replica = Replica(model)
         self._state.plan = plan_for(parsed, outer_optimizer)
         self._driver = SyncDriver(self._group, transform, owner=self._state)
         breaks = self._state.plan.attach(model.to(self.device))
@@ -173,9 +176,9 @@ class Context:
                 self._shard_samples = batch_size(shard)
                 self._batch = (batch_size(batch), fingerprint(batch))
                 yield to_device(shard, self.device)
-                if not self._state.redo:
+                if not self._redo:
                     break
-                self._state.redo = False
+                self._redo = False
 
     # -- the step --------------------------------------------------------------------------
 
@@ -245,7 +248,7 @@ class Context:
         def one() -> StepResult:
             result = state.plan.step(self._driver, backward, optimizer, state.steps, stamp=stamp)
             state.steps += 1
-            state.last = result
+            self._last.result = result
             return result
 
         before = state.steps
@@ -257,9 +260,9 @@ class Context:
             outer = state.exchange(self._group, self._driver, final=False)
             return result if outer is None else outer
         self._driver.zero_grad()
-        if state.steps > before and state.last is not None:  # a peer had completed it
-            return state.last
-        state.redo = True
+        if state.steps > before and self._last.result is not None:  # a peer had completed it
+            return self._last.result
+        self._redo = True
         return StepResult(math.nan, [], [], skipped=True, redo=True)
 
     def end_period(self) -> StepResult | None:
@@ -305,7 +308,7 @@ class Context:
                 "ctx.backward() is not available under towers run --elastic (a step interrupted "
                 "by a lost worker must be redone inside ctx.step); use ctx.step(loss, optimizer)"
             )
-        if not isinstance(self._state.plan, EveryStep):
+        if not self._state.every_step:
             raise ValueError(BACKWARD_IN_DILOCO)
         result = self._run_step(loss, samples, None, check_scaler(scaler))
         if result.skipped and scaler is not None:
@@ -402,7 +405,7 @@ class Context:
         """
         self.comm.agree_call(f"ctx.save_checkpoint(step {step})")
         replica = Replica(model, optimizer, schedule)
-        save_loop(directory, step, self._driver, self._state.plan, replica, extra)
+        save_loop(directory, step, self._driver, self._state, replica, extra)
 
     def load_checkpoint(
         self,
@@ -421,7 +424,7 @@ class Context:
             ValueError: if ``directory`` holds checkpoints of ``towers.train``, not of a loop.
         """
         replica = Replica(model, optimizer, schedule)
-        loaded = load_loop(directory, self._driver, self._state.plan, replica)
+        loaded = load_loop(directory, self._driver, self._state, replica)
         if loaded is None:
             return 0, {}
         self._state.steps = loaded[0]  # where the mode's periods continue

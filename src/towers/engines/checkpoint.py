@@ -48,7 +48,7 @@ __all__ = [
     "save_or_warn",
 ]
 
-VERSION = 2
+VERSION = 3
 KINDS = {
     "sync": "towers.train in sync mode",
     "ps": "towers.train in an asynchronous mode (the parameter server)",
@@ -204,8 +204,13 @@ def save_or_warn(
 
 
 def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
-    """A version-1 checkpoint in today's schema (version 1 had no kind)."""
+    """An older checkpoint in today's schema: version 1 had no kind; before version 3 an own
+    loop's checkpoint kept its mode's own keys under ``plan`` (and, in DiLoCo, its local model
+    as ``model``), where ``towers.train``'s keep them at the top."""
     if state.get("format") == "towers":
+        if state["kind"] == "loop" and state["version"] < 3 and "plan" in state:
+            state = dict(state)
+            state.update(state.pop("plan"))
         return state
     if state.get("format") != 1:
         raise ValueError("not a towers checkpoint (no format header)")

@@ -195,11 +195,11 @@ class Replica:
         }
 
     def load(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state` (a private copy is taken: the tensors may be shared memory)."""
-        state = copy.deepcopy(state)
+        """Restore :meth:`state` (the optimizer's state is copied: an optimizer keeps the
+        tensors it loads, and a checkpoint sent to local workers lies in memory they share)."""
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None and state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         if self.schedule is not None and state.get("schedule") is not None:
-            self.schedule.load_state_dict(state["schedule"])
+            self.schedule.load_state_dict(copy.deepcopy(state["schedule"]))
         self.scheduled = state.get("scheduled", 0)

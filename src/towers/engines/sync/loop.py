@@ -33,6 +33,7 @@ from ..syncbn import convert_batchnorm
 from .driver import SyncDriver
 from .group import ElasticGroup, Group, PlainGroup
 from .mode import plan_for
+from .state import RunState
 
 __all__ = ["SyncRecord", "elastic_loop", "sync_loop"]
 
@@ -68,6 +69,14 @@ class SyncRecord:
         record.evals = [(s, dict(m)) for s, m in record.evals]
         return record
 
+    def save(self) -> dict[str, Any]:
+        """As plain data (a :class:`~towers.engines.sync.state.Journal`)."""
+        return asdict(self)
+
+    def load(self, saved: dict[str, Any]) -> None:
+        """Become the record ``saved`` holds (a peer's, after a regroup)."""
+        self.__dict__.update(SyncRecord.from_state(saved).__dict__)
+
 
 class _Run:
     """One worker's run of a synchronous job over ``group``.
@@ -82,53 +91,38 @@ class _Run:
         self.replica = Replica.build(job, group.device)
         if job.sync_batchnorm:
             convert_batchnorm(self.replica.model, group)
-        self.driver = SyncDriver(group, job.transform, owner=self)
         self.plan = plan_for(job.mode, job.outer_optimizer)  # what each global batch does
+        self.record = SyncRecord()
+        self.state = RunState(
+            self.plan, self.record, joining=group.joining, regrouped=self._plan_loading
+        )
+        self.state.replica = self.replica
+        self.driver = SyncDriver(group, job.transform, owner=self.state)
         self.breaks = self.plan.attach(self.replica.model)
         self.order = BatchOrder(num_samples(job.data), job.batch_size, job.shuffle, job.seed)
-        self.record = SyncRecord()
-        self.done = 0  # global batches completed
-        self.newcomer = group.joining  # a replacement: no state until a peer sends it
-        self.resume = resume
-        if resume is not None:
-            self._restore(resume)
+        # a replacement takes the state from a live peer, not from the checkpoint the job
+        # started from
+        self.resume = None if group.joining else resume
+        if self.resume is not None:
+            self._restore(self.resume)
         self.first = self.done
         self.fetcher = Fetcher(job)  # evaluation's
         self.fetch: Planned | None = None  # a DataLoader's processes, planned ahead
         self.reporter = Reporter(job, worker == 0, initial=self.first)
         self.start, self.first_samples = time.perf_counter(), self.record.samples
 
-    # -- the state the driver keeps consistent ---------------------------------------------
+    @property
+    def done(self) -> int:
+        """Global batches completed."""
+        return self.state.steps
 
-    def progress(self) -> int:
-        return -1 if self.newcomer else self.plan.progress(self.done)
+    @done.setter
+    def done(self, value: int) -> None:
+        self.state.steps = value
 
-    def snapshot(self) -> dict[str, Any]:
-        state = {
-            "done": self.plan.progress(self.done),
-            "plan": self.plan.snapshot(self.replica),
-            "record": asdict(self.record),
-        }
-        # The members behind adopt this state and train on from it over the new members; so
-        # does this one, so that every member trains the same shards (DiLoCo: the batches since
-        # the last exchange; a synchronous step leaves none).
-        self.plan.adopt(state["plan"], self.replica, newcomer=False)
-        self.done = state["done"]
-        return state
-
-    def adopt(self, state: dict[str, Any]) -> None:
-        self.plan.adopt(state["plan"], self.replica, self.newcomer)
-        self.record = SyncRecord.from_state(state["record"])
-        self.done = state["done"]
-        self.newcomer = False
-
-    def shared(self) -> torch.nn.Module:
-        return self.plan.shared(self.replica.model)
-
-    def regrouped(self) -> None:
+    def _plan_loading(self) -> None:
         """Plan this tower's part of the remaining batches for the new members."""
         job, comm = self.job, self.group.comm
-        self.plan.regrouped(self.replica.model)
         if self.fetch is not None:
             self.fetch.close()
         if job.num_workers and is_dataset(job.data):
@@ -137,20 +131,22 @@ class _Run:
             self.fetch = Planned(job, comm.rank, comm.world_size, self.done, position)
 
     def _restore(self, state: dict[str, Any]) -> None:
-        self.replica.load(state)
+        """What the loop itself keeps of the checkpoint resumed: the data position, the
+        record, the steps done (the rest is :meth:`_restore_state`'s, once the members are
+        formed)."""
         self.order.load_state_dict(state["data"])
-        self.record = SyncRecord.from_state(state["record"])
+        self.record.load(state["record"])
         # a shorter run's evaluation at its end is not one of this run's
         self.record.evals = [(d, m) for d, m in self.record.evals if due(self.job, d)]
         self.done = state["step"]
 
-    def _restore_streams(self) -> None:
-        """This rank's random stream and transform state from the checkpoint resumed."""
+    def _restore_state(self) -> None:
+        """The replica, this rank's random stream and transform state, and the plan's own,
+        from the checkpoint resumed."""
         if self.resume:
             # resumed with another number of workers: fresh, but reproducible, streams
             reseed = self.job.seed + self.group.comm.rank + 1000 * self.resume["step"]
-            self.driver.restore_streams(self.resume, reseed)
-            self.plan.restore(self.resume, self.driver, self.replica)
+            self.state.restore(self.resume, self.driver, reseed=reseed)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -232,17 +228,14 @@ class _Run:
         )
 
     def _save(self, done: int) -> None:
-        streams = self.driver.gather_streams()
-        planned = self.plan.checkpoint(self.driver, self.replica)
+        shared = self.state.checkpoint(self.driver)
         if self.group.comm.rank != 0:
             return
         payload = {
             "mode": str(self.job.mode),
             "data": self.order.state_dict(),
-            **streams,
-            "record": asdict(self.record),
-            **self.replica.state(),
-            **planned,
+            "record": self.record.save(),
+            **shared,
         }
         checkpoint.save_or_warn(self.job.checkpoint, done, "sync", payload)  # type: ignore[arg-type]
 
@@ -252,7 +245,7 @@ class _Run:
         group, job = self.group, self.job
         try:
             self.driver.replicate(self.replica.model, breaks=self.breaks)
-            self._restore_streams()
+            self._restore_state()
             if not group.elastic:  # start the clock together (a replacement joins mid-run)
                 group.comm.barrier()
             self.start, self.first_samples = time.perf_counter(), self.record.samples

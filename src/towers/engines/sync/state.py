@@ -1,0 +1,191 @@
+"""One rank's synchronous run: the state its group keeps consistent and its checkpoints hold.
+
+``towers.train``'s loop (:mod:`towers.engines.sync.loop`) and the own loop's ``Context`` both
+keep their run in a :class:`RunState`: the replica (model, optimizer, schedule), the mode's
+step plan (:mod:`towers.engines.sync.plan`), the global batches done, and a *journal* of what
+the run reports (``train``: every step's record; the own loop: the last step's result).
+
+It is the driver's owner (:class:`~towers.engines.sync.driver.Owner`): when an elastic group
+regroups, the member that has done the most sends :meth:`snapshot` and the others
+:meth:`adopt` it; a replacement receives the same, from a live peer. It writes and reads the
+part of a checkpoint both loops share (:meth:`checkpoint`, :meth:`restore`): the replica's
+state at the top, every rank's random streams and transform state, and the plan's own keys
+(DiLoCo: the outer model as ``model``, the inner state of every rank under ``diloco``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ...comm.hang import calling
+from ...core.agree import BatchStamp
+from ...core.step import StepResult
+from ..replica import Replica
+from .driver import SyncDriver
+from .group import Group
+from .plan import EveryStep, StepPlan
+
+__all__ = ["Journal", "LastResult", "RunState"]
+
+
+class Journal(Protocol):
+    """What a run reports, kept alike on every member: plain data out, plain data in."""
+
+    def save(self) -> Any: ...
+
+    def load(self, saved: Any) -> None: ...
+
+
+class LastResult:
+    """The own loop's journal: the last step's result (a peer's, after a regroup)."""
+
+    def __init__(self) -> None:
+        self.result: StepResult | None = None
+
+    def save(self) -> Any:
+        r = self.result
+        return None if r is None else {k: getattr(r, k) for k in r.__dataclass_fields__}
+
+    def load(self, saved: Any) -> None:
+        self.result = None if saved is None else StepResult(**saved)
+
+
+class RunState:
+    """See the module doc.
+
+    Args:
+        plan: the mode's step plan.
+        journal: what the run reports.
+        joining: a replacement: it has no state until a peer sends it.
+        replays: the loop can train again the batches since the agreed progress (``train``'s
+            loop can; an own loop's batches come from the user's iterator and cannot be
+            rewound, so its members only redo the step in flight).
+        regrouped: called after the plan is told that the members changed (``train``: the
+            data-loading processes are planned anew).
+    """
+
+    def __init__(
+        self,
+        plan: StepPlan,
+        journal: Journal,
+        *,
+        joining: bool = False,
+        replays: bool = True,
+        regrouped: Callable[[], None] | None = None,
+    ):
+        self.plan, self.journal = plan, journal
+        self.replays, self._regrouped = replays, regrouped
+        self.replica: Replica | None = None  # the model once it is known
+        self.steps = 0  # global batches completed
+        self.newcomer = joining
+        self.catch_up = 0  # batches a replacement of an own loop skips to reach its peers
+        self._pending: dict[str, Any] | None = None  # a peer's optimizer state, not loaded yet
+
+    def _replica(self) -> Replica:
+        assert self.replica is not None, "the run has no model yet"
+        return self.replica
+
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The own loop's optimizer, known at its first step: give it a peer's state if one
+        arrived before it."""
+        replica = self._replica()
+        replica.optimizer = optimizer
+        if self._pending is not None:
+            optimizer.load_state_dict(self._pending)
+            self._pending = None
+
+    # -- what the group keeps consistent (the driver's owner) ------------------------------
+
+    def progress(self) -> int:
+        return -1 if self.newcomer else self.plan.progress(self.steps)
+
+    def snapshot(self) -> dict[str, Any]:
+        replica = self._replica()
+        state = {
+            "steps": self.plan.progress(self.steps),
+            "plan": self.plan.snapshot(replica),
+            "journal": self.journal.save(),
+        }
+        if self.replays:
+            # The members behind adopt this state and train on from it; so does this one, so
+            # that every member trains the same shards (DiLoCo: the batches since the last
+            # exchange; a synchronous step leaves none).
+            self.plan.adopt(state["plan"], replica, newcomer=False)
+            self.steps = state["steps"]
+        return state
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        replica = self._replica()
+        self.plan.adopt(state["plan"], replica, self.newcomer)
+        if replica.optimizer is None:  # the optimizer a peer's state holds, for the first step
+            self._pending = state["plan"].get("optimizer")
+        self.journal.load(state["journal"])
+        if self.newcomer:
+            self.catch_up = state["steps"]
+        self.newcomer = False
+        self.steps = state["steps"]
+
+    def regrouped(self) -> None:
+        self.plan.regrouped(self._replica().model)
+        if self._regrouped is not None:
+            self._regrouped()
+
+    def shared(self) -> nn.Module:
+        return self.plan.shared(self._replica().model)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def checkpoint(self, driver: SyncDriver, replica: Replica | None = None) -> dict[str, Any]:
+        """The checkpoint's part both loops share (a collective: every rank calls it; rank 0
+        writes it). ``replica``: the model, optimizer and schedule to save (default: the
+        run's)."""
+        replica = replica or self._replica()
+        streams = driver.gather_streams()
+        return {**replica.state(), **streams, **self.plan.checkpoint(driver, replica)}
+
+    def restore(
+        self,
+        state: dict[str, Any],
+        driver: SyncDriver,
+        replica: Replica | None = None,
+        reseed: int | None = None,
+    ) -> None:
+        """Restore :meth:`checkpoint`'s part on every rank, once the members are formed;
+        ``reseed``: the random stream of a rank when the checkpoint has another number of
+        ranks (see :meth:`SyncDriver.restore_streams`)."""
+        replica = replica or self._replica()
+        replica.load(state)
+        driver.restore_streams(state, reseed)
+        self.plan.restore(state, driver, replica)
+
+    # -- the own loop's exchanges and evaluation -------------------------------------------
+
+    def exchange(self, group: Group, driver: SyncDriver, final: bool) -> StepResult | None:
+        """The exchange the plan owes after :attr:`steps` (``final``: the loop is over), redone
+        until done; the last outer step's result, if any."""
+        outer, plan, steps = None, self.plan, self.steps
+        while plan.owes(steps, steps if final else None):
+            calling(f"the outer step (step {steps})")
+            comm = group.comm  # a new one after a regroup
+            stamp = BatchStamp(comm.world_size).pack(comm.rank, steps, None, None)
+            run = functools.partial(plan.exchange, driver, steps, final=final, stamp=stamp)
+            outer = group.attempt(driver, run) or outer
+        plan.results()  # the own loop keeps no record of each global batch's loss
+        return outer
+
+    def evaluated(self, model: nn.Module) -> nn.Module:
+        """What evaluating ``model`` means: the replicated model is evaluated with the
+        parameters every rank shares (DiLoCo: the outer ones)."""
+        if self.replica is not None and model is self.replica.model:
+            return self.plan.trained(model)
+        return model
+
+    @property
+    def every_step(self) -> bool:
+        """Whether every global batch is one averaged step (``sync``, not DiLoCo)."""
+        return isinstance(self.plan, EveryStep)
