@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from towers import average_gradients
-from towers.core.step import StepMeta, assign_grads, assign_mean, step_result, sum_grads
+from towers.core.step import (
+    StepMeta,
+    assign_grads,
+    assign_mean,
+    local_step,
+    mean_values,
+    step_result,
+    sum_grads,
+)
 
 
 def _summed(meta: StepMeta, towers: list[tuple[int, float, bool, list[float]]]) -> torch.Tensor:
@@ -122,3 +130,31 @@ def test_server_arithmetic_touches_nothing_when_a_sum_is_not_finite(bad):
     summed = sum_grads([[torch.ones(2), torch.tensor([bad])], [torch.ones(2), None]])
     assert not assign_mean([a, b], summed, total=3)
     assert a.grad is before and b.grad is None
+
+
+def test_mean_values_decide_as_a_step_and_leave_grad_alone():
+    """The means of values reduced in place of gradients: divided, ``None`` where no tower had
+    one, nothing when a tower was at fault; no ``.grad`` is touched."""
+    meta = StepMeta(world=2, params=2)
+    summed = meta.pack(0, 3, 1.5, False, torch.tensor([1.0, 0.0])) + meta.pack(
+        1, 1, 0.5, False, torch.tensor([1.0, 0.0])
+    )
+    flat = torch.tensor([4.0, 8.0, 0.0])
+    result, means = mean_values(meta.read(summed), [(flat, [(0, 0, 2), (1, 2, 3)])])
+    assert not result.skipped and result.loss == 0.5
+    assert means[0].tolist() == [1.0, 2.0] and means[1] is None
+    bad = meta.pack(0, 3, 1.5, True, torch.tensor([1.0, 1.0])) + summed
+    result, means = mean_values(meta.read(bad), [(torch.ones(3), [(0, 0, 2), (1, 2, 3)])])
+    assert result.skipped and result.culprits == [0] and means == {}
+
+
+def test_a_local_step_divides_its_own_gradients_or_skips():
+    p = torch.zeros(2, requires_grad=True)
+    p.grad = torch.tensor([6.0, 3.0])  # of loss * 3 samples
+    r = local_step([p], loss_sum=1.5, samples=3, rank=1, world=2)
+    assert p.grad.tolist() == [2.0, 1.0] and not r.skipped
+    assert r.loss == 0.5 and r.tower_samples == [0, 3] and math.isnan(r.tower_losses[0])
+    p.grad = torch.tensor([float("inf"), 3.0])
+    r = local_step([p], loss_sum=1.5, samples=3, rank=1, world=2)
+    assert r.skipped and r.culprits == [1] and p.grad[1] == 3.0  # not divided
+    assert local_step([p], math.nan, 3, 0, 1).skipped

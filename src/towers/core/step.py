@@ -33,6 +33,8 @@ __all__ = [
     "both_finite",
     "divide_on_device",
     "finite_flag",
+    "local_step",
+    "mean_values",
     "step_result",
     "sum_grads",
 ]
@@ -242,6 +244,49 @@ def apply_sums(
         for flat, slots in sums:
             assign_grads(params, flat, slots, None if divided else tally.total, tally.had_grad)
     return result
+
+
+def mean_values(
+    tally: Tally,
+    sums: Iterable[tuple[torch.Tensor, Sequence[tuple[int, int, int]]]],
+    finite: bool | None = None,
+    divided: bool = False,
+) -> tuple[StepResult, dict[int, torch.Tensor | None]]:
+    """:func:`apply_sums` for values that are not gradients (DiLoCo's pseudo-gradients): the
+    same decision, the same division and ``None`` rule, but each parameter index's mean is
+    returned, flat (a view of the sums), instead of handed to ``.grad``; none if skipped."""
+    sums = list(sums)
+    if finite is None:
+        finite = _read_finite([finite_flag(flat) for flat, _ in sums])
+    result = step_result(tally, finite)
+    means: dict[int, torch.Tensor | None] = {}
+    if not result.skipped:
+        for flat, slots in sums:
+            if not divided:
+                flat.div_(tally.total)
+            for i, start, stop in slots:
+                means[i] = flat[start:stop] if tally.had_grad[i] else None
+    return result, means
+
+
+def local_step(
+    params: Sequence[torch.Tensor], loss_sum: float, samples: int, rank: int, world: int
+) -> StepResult:
+    """A step a tower takes alone (DiLoCo's inner steps): its gradients of ``loss * samples``
+    become the mean over its ``samples`` unless the loss or a gradient is not finite.
+
+    Returns this tower's result in a world of ``world`` (the others' slots are empty); the
+    caller steps its optimizer unless it is ``skipped``.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    bad = not math.isfinite(loss_sum) or not all(all_finite(g) for g in grads)
+    if samples > 0 and not bad:
+        for g in grads:
+            g.div_(samples)
+    losses, counts = [math.nan] * world, [0] * world
+    losses[rank] = loss_sum / samples if samples else math.nan
+    counts[rank] = samples
+    return StepResult(losses[rank], losses, counts, bad, [rank] if bad else [])
 
 
 def divide_on_device(

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ...comm.base import Work
-from ...core.step import StepResult, all_finite
+from ...core.step import StepResult, local_step
 from ..job import OptimizerFactory
 from ..replica import Replica, cpu_state
 from .driver import SyncDriver
@@ -142,6 +142,7 @@ class Periods:
         self.every, self.overlap, self.parts, self.alpha = every, overlap, fragments, alpha
         self.stage = every // fragments  # inner steps between boundaries
         self.factory = outer_optimizer or default_outer_optimizer
+        self.model: nn.Module | None = None  # this tower's, as the loop trains it
         self.outer: nn.Module | None = None
         self.outer_opt: torch.optim.Optimizer | None = None
         self.groups: list[range] = []  # trainable-parameter indices of each fragment
@@ -155,6 +156,7 @@ class Periods:
     # -- the model -------------------------------------------------------------------------
 
     def attach(self, model: nn.Module) -> Sequence[int]:
+        self.model = model
         self.outer = copy.deepcopy(model)
         self.outer_opt = self.factory(_trainable(self.outer))
         self.groups = fragments_of([p.numel() for p in _trainable(model)], self.parts)
@@ -173,6 +175,10 @@ class Periods:
     def _outer(self) -> nn.Module:
         assert self.outer is not None, "attach() the model first"
         return self.outer
+
+    def _model(self) -> nn.Module:
+        assert self.model is not None, "attach() the model first"
+        return self.model
 
     def _start_from_outer(self, model: nn.Module) -> None:
         """The local parameters and buffers become the outer ones; nothing is pending."""
@@ -201,26 +207,16 @@ class Periods:
         assert optimizer is not None, "DiLoCo's inner steps need the optimizer"
         backward(lambda: None)  # never armed: nothing is reduced
         loss_sum, samples = driver.take()
-        params = driver.params
-        bad = not math.isfinite(loss_sum) or not all(
-            all_finite(p.grad) for p in params if p.grad is not None
-        )
-        if samples > 0 and not bad:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(samples)
+        result = local_step(driver.params, loss_sum, samples, driver.rank, driver.world_size)
+        if samples > 0 and not result.skipped:
             optimizer.step()
         driver.zero_grad()
+        bad = result.skipped
         entry = InnerStep(index, loss_sum if samples else 0.0, samples, bad, at() if at else 0.0)
         self.window.append(entry)
         for c in self.counts:
             c.add(entry)
-        comm = driver.group.comm
-        losses = [math.nan] * comm.world_size
-        counts = [0] * comm.world_size
-        losses[comm.rank] = loss_sum / samples if samples else math.nan
-        counts[comm.rank] = samples
-        return StepResult(losses[comm.rank], losses, counts, bad, [comm.rank] if bad else [])
+        return result
 
     def owes(self, done: int, steps: int | None) -> bool:
         boundary = done > 0 and done != self.boundary and done % self.stage == 0
@@ -253,8 +249,7 @@ class Periods:
             for f in range(self.parts):
                 if self.counts[f].steps:  # the same on every tower
                     applied.append(self._exchange_now(driver, f, stamp))
-            assert driver.model is not None
-            self._start_from_outer(driver.model)  # every fragment ends on the outer values
+            self._start_from_outer(self._model())  # every fragment ends on the outer values
             self.boundary = done
         self._emit(applied)
         return applied[-1].result if applied else None
@@ -267,48 +262,33 @@ class Periods:
 
     def _launch(self, driver: SyncDriver, f: int, stamp: torch.Tensor | None) -> _Flight:
         """Start fragment ``f``'s exchange: the small message, then the pseudo-gradients."""
-        comm = driver.group.comm
         c = self.counts[f]
         bad = c.applied == 0 and c.computed > 0  # every step skipped: nothing to contribute
         weight = c.computed if bad else c.applied
-        assert driver.model is not None
-        buffers = _float_buffers(driver.model)
-        extra = pack(self.window, comm.rank, comm.world_size, weight, buffers).to(driver.device)
-        work = comm.all_reduce_sum(extra)
-        local, outer = driver.params, _trainable(self._outer())
-        for i in self.groups[f]:
-            local[i].grad = (outer[i].detach() - local[i].detach()).mul_(weight)
+        buffers = _float_buffers(self._model())
+        message = pack(self.window, driver.rank, driver.world_size, weight, buffers)
+        extra, work = driver.start_sum(message)
+        local, outer = _trainable(self._model()), _trainable(self._outer())
+        deltas = {i: (outer[i].detach() - local[i].detach()).mul_(weight) for i in self.groups[f]}
         driver.add(math.nan if bad else c.loss, weight)
-        driver.launch(stamp, buckets=self._buckets(driver, f))
-        for i in self.groups[f]:
-            local[i].grad = None
+        driver.launch(stamp, values=deltas)
         return _Flight(f, len(self.window), extra, work)
-
-    def _buckets(self, driver: SyncDriver, f: int) -> list[int]:
-        assert driver.plan is not None
-        group = self.groups[f]
-        return [b for b, indices in enumerate(driver.plan.buckets) if indices[0] in group]
 
     def _land(self, driver: SyncDriver, flight: _Flight) -> None:
         """Wait for ``flight``; keep the mean pseudo-gradient and what the message says."""
-        result = driver.land()
+        result, means = driver.land_values()
         assert flight.work is not None
         flight.work.wait()
-        local = driver.params
-        if not result.skipped:
-            flight.deltas = [local[i].grad for i in self.groups[flight.fragment]]  # type: ignore[misc]
-        for i in self.groups[flight.fragment]:
-            local[i].grad = None
+        flight.deltas = means or []
         flight.result, flight.work = result, None
-        w = driver.group.comm.world_size
+        w = driver.world_size
         flight.steps, flight.buffers = read(flight.extra, flight.entries, w)
 
     def _apply(self, driver: SyncDriver, flight: _Flight, mix: bool) -> _Flight:
         """The outer step of a landed ``flight``, then the towers' parameters follow it."""
         assert flight.result is not None and self.outer_opt is not None
-        model, outer = driver.model, self._outer()
-        assert model is not None
-        local, outer_params = driver.params, _trainable(outer)
+        model, outer = self._model(), self._outer()
+        local, outer_params = _trainable(model), _trainable(outer)
         group = self.groups[flight.fragment]
         skipped = flight.result.skipped
         with torch.no_grad():
@@ -385,7 +365,7 @@ class Periods:
             "window": [asdict(e) for e in self.window],
             "counts": [asdict(c) for c in self.counts],
         }
-        ranks = driver.group.comm.all_gather_object(mine)
+        ranks = driver.all_gather_object(mine)
         landed = None
         if flight is not None:
             assert flight.result is not None
@@ -412,7 +392,7 @@ class Periods:
         self._outer().load_state_dict(state["model"])
         self.outer_opt.load_state_dict(saved["outer_optimizer"])
         self.boundary = saved["boundary"]
-        mine = saved["ranks"][driver.group.comm.rank]
+        mine = saved["ranks"][driver.rank]
         replica.load(mine["local"])
         self.window = [InnerStep(**e) for e in mine["window"]]
         self.counts = [_Counts(**c) for c in mine["counts"]]

@@ -20,12 +20,13 @@ kept by survivors and handed to replacements (``snapshot``/``adopt``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from ...comm.base import Work
 from ...core.devices import moved
 from ...core.step import StepResult
 from ..broadcast import broadcast_module, verify_same_model
@@ -225,21 +226,31 @@ class SyncDriver:
         return self.land()
 
     def launch(
-        self, stamp: torch.Tensor | None = None, buckets: Sequence[int] | None = None
+        self,
+        stamp: torch.Tensor | None = None,
+        values: Mapping[int, torch.Tensor] | None = None,
     ) -> None:
         """Start :meth:`reduce`: the buckets travel while the caller goes on; :meth:`land`
-        completes it. ``buckets``: only these buckets (their parameters' ``.grad`` set by the
-        caller), the metadata riding in the last of them."""
+        completes it. ``values``: reduce these tensors (by trainable-parameter index, shaped as
+        the parameter; whole buckets, e.g. a fragment of the model that ``breaks`` bounded)
+        through the same buckets, transform and metadata, instead of the gradients, weighted
+        as the caller counted them with :meth:`add`; :meth:`land` returns their means."""
         sync = self._sync()
         try:
-            sync.launch(self.samples, self.loss_sum, stamp, self.group.regroup_wanted, buckets)
+            sync.launch(self.samples, self.loss_sum, stamp, self.group.regroup_wanted, values)
         finally:
             self.samples, self.loss_sum = 0, 0.0
 
     def land(self) -> StepResult:
         """Wait for the reduction :meth:`launch` started and decide it (see :meth:`reduce`)."""
+        return self.land_values()[0]
+
+    def land_values(self) -> tuple[StepResult, list[torch.Tensor] | None]:
+        """:meth:`land`; with ``values`` launched, also their means over all towers, in the
+        order of their indices and shaped as the parameters (``None`` if the step is skipped).
+        The values' ``.grad`` are not touched."""
         sync = self._sync()
-        result, state = sync.land()
+        result, state, means = sync.land()
         if sync.regroup:
             self.group.regroup_after_step()
         if result.skipped:
@@ -247,7 +258,30 @@ class SyncDriver:
         else:
             self.state = state
             sync.commit(state)
-        return result
+        if result.skipped or not means:
+            return result, None
+        params = self._plan().params
+        return result, [_shaped(means[i], params[i]) for i in sorted(means)]
+
+    @property
+    def rank(self) -> int:
+        """This tower's rank among the current members."""
+        return self.group.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """The current members."""
+        return self.group.comm.world_size
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every member's ``obj``, by rank (a collective)."""
+        return self.group.comm.all_gather_object(obj)
+
+    def start_sum(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Work]:
+        """Start summing ``tensor`` over the members, beside the buckets: the tensor (on this
+        tower's device) that holds the sum once the returned work is waited for."""
+        on_device = tensor.to(self.device)
+        return on_device, self.group.comm.all_reduce_sum(on_device)
 
     def apply(self, result: StepResult, optimizer: torch.optim.Optimizer) -> None:
         """Step ``optimizer`` unless ``result`` is skipped, then clear the gradients."""
@@ -281,3 +315,8 @@ class SyncDriver:
         if self.sync is not None:
             self.sync.remove()
             self.sync = None
+
+
+def _shaped(mean: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
+    """A parameter's mean, shaped as the parameter (zero where no tower had a value)."""
+    return torch.zeros_like(param) if mean is None else mean.view_as(param)

@@ -25,7 +25,7 @@ compression it applies, sees one rank per host; the metadata is summed exactly a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ from ...core.step import (
     both_finite,
     divide_on_device,
     finite_flag,
+    mean_values,
 )
 from ..transforms import Bucket, BucketLayout, GradientTransform
 
@@ -177,6 +178,7 @@ class GradientSync:
         self._out: list[Bucket] = []
         self._next_state = self.state
         self._had_grad = torch.zeros(len(self.params), dtype=torch.float64)
+        self._values: Mapping[int, torch.Tensor] | None = None  # reduced instead of .grad
         self._finite: Finite = True  # every gradient packed so far (a tensor on a GPU)
 
     def commit(self, state: Any) -> None:
@@ -207,7 +209,10 @@ class GradientSync:
 
     def _pack(self, b: int) -> None:
         buf = self.buffers[b]
-        grads = [self.params[i].grad for i, _, _ in self.slots[b]]
+        if self._values is None:
+            grads = [self.params[i].grad for i, _, _ in self.slots[b]]
+        else:
+            grads = [self._values.get(i) for i, _, _ in self.slots[b]]
         if buf.device.type != "cpu" and all(g is not None for g in grads):
             # one kernel for the bucket: on a GPU, launches cost more than the copy itself
             torch.cat([g.reshape(-1) for g in grads if g is not None], out=buf)
@@ -296,7 +301,8 @@ class GradientSync:
             no tower produced one).
         """
         self.launch(samples, loss_sum, stamp, regroup)
-        return self.land()
+        result, state, _ = self.land()
+        return result, state
 
     def launch(
         self,
@@ -304,21 +310,26 @@ class GradientSync:
         loss_sum: float | torch.Tensor,
         stamp: torch.Tensor | None = None,
         regroup: bool = False,
-        buckets: Sequence[int] | None = None,
+        values: Mapping[int, torch.Tensor] | None = None,
     ) -> None:
         """The first half of :meth:`finish`: pack and start reducing every bucket not yet
         started, the metadata in the last; :meth:`land` completes it.
 
-        ``buckets``: reduce only these (the parameters set in ``.grad`` by the caller, e.g. one
-        fragment of the model), the metadata riding in the last of them; ``None``: all.
+        ``values``: reduce these tensors (by trainable-parameter index, shaped as the
+        parameter) instead of the gradients, in the buckets that hold them (each wholly: e.g.
+        one fragment of the model), the metadata riding in the last of them.
         """
         self._armed = False
-        if buckets is None:
+        if values is None:
             chosen = list(range(len(self.buckets)))
             while self._launched < chosen[-1]:
                 self._launch(self._launched)
         else:
-            chosen = sorted(buckets)
+            self._values = values
+            chosen = [b for b, indices in enumerate(self.buckets) if indices[0] in values]
+            assert chosen and all(all(i in values for i in self.buckets[b]) for b in chosen), (
+                "values must fill whole buckets (break the buckets where they start)"
+            )
             for b in chosen[:-1]:
                 self._launch(b)
         last = chosen[-1]
@@ -337,8 +348,10 @@ class GradientSync:
         self._launch_last(meta, last, (pending if samples else None, finite))
         self._chosen = chosen
 
-    def land(self) -> tuple[StepResult, Any]:
-        """Wait for what :meth:`launch` started and decide the step (see :meth:`finish`)."""
+    def land(self) -> tuple[StepResult, Any, dict[int, torch.Tensor | None]]:
+        """Wait for what :meth:`launch` started and decide the step (see :meth:`finish`);
+        with ``values`` launched, their means are returned (flat, by parameter index) and no
+        ``.grad`` is touched."""
         sums = [out.wait() for out in self._out]
         tail = sums[-1].tail
         assert tail is not None, "a gradient transform dropped the step's metadata"
@@ -357,7 +370,11 @@ class GradientSync:
                 raise
         tally = self.meta.read(tail[: self.meta.length])
         self.regroup = tally.regroup
-        result = apply_sums(self.params, tally, chosen, finite, divided)
+        means: dict[int, torch.Tensor | None] = {}
+        if self._values is None:
+            result = apply_sums(self.params, tally, chosen, finite, divided)
+        else:
+            result, means = mean_values(tally, chosen, finite, divided)
         state = self._next_state
         self._reset()
-        return result, state
+        return result, state, means
