@@ -241,12 +241,11 @@ class Context:
         stamp = BatchStamp(self.world_size).pack(self.rank, state.steps, size, mark)
         calling(f"{'ctx.step' if optimizer is not None else 'ctx.backward'} (step {state.steps})")
 
-        def backward(arm: Any) -> None:
-            arm()
+        def one() -> StepResult:  # attempted, and redone in an elastic job
+            if state.plan.reduces:
+                self._driver.arm()
             self._backward(loss, weight, scaler)
-
-        def one() -> StepResult:
-            result = state.plan.step(self._driver, backward, optimizer, state.steps, stamp=stamp)
+            result = state.plan.step(self._driver, optimizer, state.steps, stamp=stamp)
             state.steps += 1
             self._last.result = result
             return result

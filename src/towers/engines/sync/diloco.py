@@ -48,7 +48,7 @@ from ..job import OptimizerFactory
 from ..replica import Replica, cpu_state
 from .driver import SyncDriver
 from .message import InnerStep, pack, read, unflatten
-from .plan import Backward, Landed
+from .plan import Landed
 
 __all__ = ["ALPHA", "Periods", "default_outer_optimizer", "fragments_of"]
 
@@ -129,6 +129,8 @@ class _Flight:
 class Periods:
     """The DiLoCo step plan of one rank; see the module doc."""
 
+    reduces = False  # inner steps are each tower's own
+
     def __init__(
         self,
         every: int,
@@ -195,7 +197,6 @@ class Periods:
     def step(
         self,
         driver: SyncDriver,
-        backward: Backward,
         optimizer: torch.optim.Optimizer | None,
         index: int,
         *,
@@ -205,8 +206,7 @@ class Periods:
         """Inner step on global batch ``index``: this tower's optimizer steps on its shard's
         mean gradient, unless a loss or gradient was not finite. Returns this tower's result."""
         assert optimizer is not None, "DiLoCo's inner steps need the optimizer"
-        backward(lambda: None)  # never armed: nothing is reduced
-        loss_sum, samples = driver.take()
+        loss_sum, samples = driver.take()  # never armed: nothing was reduced
         result = local_step(driver.params, loss_sum, samples, driver.rank, driver.world_size)
         if samples > 0 and not result.skipped:
             optimizer.step()

@@ -13,14 +13,16 @@ current communicator rather than storing one, and a gradient transform
    gradients in ``.grad``, or a skipped step with every ``.grad`` cleared;
 4. ``apply(result, optimizer)``: the optimizer steps unless the step was skipped.
 
-:meth:`step` runs all four around a caller's backward. The transform's state is this tower's
+The loops call them in that order, through the mode's step plan
+(:mod:`towers.engines.sync.plan`), which says whether a step reduces at all (DiLoCo's inner
+steps do not). The transform's state is this tower's
 and is committed only when a step is applied; it is saved in checkpoints and, in elastic jobs,
 kept by survivors and handed to replacements (``snapshot``/``adopt``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -288,22 +290,6 @@ class SyncDriver:
         if not result.skipped:
             optimizer.step()
         self.zero_grad()
-
-    def step(
-        self,
-        backward: Callable[[Callable[[], None]], None],
-        *,
-        stamp: torch.Tensor | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-    ) -> StepResult:
-        """One whole step: ``backward(arm)`` backpropagates (calling ``arm`` before its last
-        backward and :meth:`add` for what it computed), then reduce, then apply if given an
-        optimizer."""
-        backward(self.arm)
-        result = self.reduce(stamp)
-        if optimizer is not None:
-            self.apply(result, optimizer)
-        return result
 
     def zero_grad(self) -> None:
         if self.plan is not None:

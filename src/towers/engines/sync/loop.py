@@ -175,17 +175,14 @@ class _Run:
         mine = split(next(self.order), comm.world_size)[comm.rank]
         slow = job.straggle.get(comm.rank, 1.0)
         fetch = None if self.fetch is None else self._planned
-
-        def backward(arm: Any) -> None:
-            model = replica.model
-            self.driver.add(
-                *backward_shard(
-                    job, model, mine, self.device, before_last=arm, slow=slow, fetch=fetch
-                )
-            )
-
+        arm = self.driver.arm if self.plan.reduces else None  # before the last micro-batch
         replica.schedule_to(job.scheduled(k))  # a replacement catches up
-        self.plan.step(self.driver, backward, replica.optimizer, k, at=self._clock)
+        self.driver.add(
+            *backward_shard(
+                job, replica.model, mine, self.device, before_last=arm, slow=slow, fetch=fetch
+            )
+        )
+        self.plan.step(self.driver, replica.optimizer, k, at=self._clock)
         replica.schedule_to(job.scheduled(k + 1))
         self.done = k + 1
 

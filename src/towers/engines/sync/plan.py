@@ -12,7 +12,16 @@ stores a communicator. Two plans exist:
 
 A loop asks, before each global batch, whether the plan :meth:`~StepPlan.owes` an exchange
 (then it runs :meth:`~StepPlan.exchange`, on its own: in an elastic job it is the part that
-may have to be redone), and otherwise trains the batch with :meth:`~StepPlan.step`. The steps
+may have to be redone), and otherwise trains the batch: it arms the driver before its last
+backward if the plan :attr:`~StepPlan.reduces` every step, backpropagates its shard, and
+hands the step to :meth:`~StepPlan.step` (the reduction and the update, or DiLoCo's inner
+step). A step reads top to bottom in the loop that runs it::
+
+    if plan.reduces:
+        driver.arm()                 # before the last backward: buckets reduce as they fill
+    driver.backward(loss, samples)   # (train: each micro-batch's; the own loop: the user's)
+    result = plan.step(driver, optimizer, index)   # sync: driver.reduce(), driver.apply()
+ The steps
 whose results are known over all towers come out of :meth:`~StepPlan.results`, in order, with
 the time each was trained at.
 """
@@ -29,15 +38,16 @@ from ...core.step import StepResult
 from ..replica import Replica
 from .driver import SyncDriver
 
-__all__ = ["Backward", "EveryStep", "Landed", "StepPlan"]
+__all__ = ["EveryStep", "Landed", "StepPlan"]
 
-Backward = Callable[[Callable[[], None]], None]  # backward(arm): see SyncDriver.step
 # (global batch, its result over all towers, the run's seconds when trained; None: now)
 Landed = tuple[int, StepResult, float | None]
 
 
 class StepPlan(Protocol):
     """How a synchronous mode trains; see the module doc."""
+
+    reduces: bool  # every step reduces gradients: the loop arms the driver before backward
 
     def attach(self, model: nn.Module) -> Sequence[int]:
         """Take ``model`` (on its device, before the driver replicates it); returns where the
@@ -55,16 +65,16 @@ class StepPlan(Protocol):
     def step(
         self,
         driver: SyncDriver,
-        backward: Backward,
         optimizer: torch.optim.Optimizer | None,
         index: int,
         *,
         stamp: torch.Tensor | None = None,
         at: Callable[[], float] | None = None,
     ) -> StepResult:
-        """Train global batch ``index`` (``at``: the run's clock); the step's result: over all
-        towers for ``sync``, this tower's own for DiLoCo's inner steps. ``optimizer``: ``None``
-        leaves the averaged gradients in ``.grad`` (``ctx.backward``; sync only)."""
+        """Complete global batch ``index``, whose backward the loop has run (``at``: the run's
+        clock); the step's result: over all towers for ``sync``, this tower's own for DiLoCo's
+        inner steps. ``optimizer``: ``None`` leaves the averaged gradients in ``.grad``
+        (``ctx.backward``; sync only)."""
         ...
 
     def owes(self, done: int, steps: int | None) -> bool:
@@ -109,6 +119,8 @@ class StepPlan(Protocol):
 class EveryStep:
     """``sync``: every global batch is one averaged step of the driver."""
 
+    reduces = True
+
     def __init__(self) -> None:
         self._landed: list[Landed] = []
 
@@ -124,14 +136,15 @@ class EveryStep:
     def step(
         self,
         driver: SyncDriver,
-        backward: Backward,
         optimizer: torch.optim.Optimizer | None,
         index: int,
         *,
         stamp: torch.Tensor | None = None,
         at: Callable[[], float] | None = None,
     ) -> StepResult:
-        result = driver.step(backward, stamp=stamp, optimizer=optimizer)
+        result = driver.reduce(stamp)
+        if optimizer is not None:
+            driver.apply(result, optimizer)
         self._landed.append((index, result, None))
         return result
 
