@@ -19,7 +19,16 @@ from .messages import shorten
 
 Batch = TypeVar("Batch")
 
-__all__ = ["batch_size", "concat", "leaves", "map_batch", "shard_bounds", "shard_sizes", "split"]
+__all__ = [
+    "batch_size",
+    "concat",
+    "cut",
+    "leaves",
+    "map_batch",
+    "shard_bounds",
+    "shard_sizes",
+    "split",
+]
 
 
 def shard_sizes(total: int, n: int) -> list[int]:
@@ -130,6 +139,25 @@ def split(batch: Batch, n: int) -> list[Batch]:
         map_batch(functools.partial(_rows, start=a, stop=b), batch)
         for a, b in shard_bounds(batch_size(batch), n)
     ]
+
+
+def cut(batch: Batch, sizes: Sequence[int]) -> list[Batch]:
+    """Split ``batch`` along dim 0 into contiguous shards of the given ``sizes`` (which must add
+    up to its samples): :func:`split` with sizes of the caller's choosing, e.g. a balanced
+    split's (:mod:`towers.core.balance`).
+
+    Example:
+        >>> [s.tolist() for s in cut(torch.arange(5), [3, 0, 2])]
+        [[0, 1, 2], [], [3, 4]]
+    """
+    total = batch_size(batch)
+    if sum(sizes) != total or any(n < 0 for n in sizes):
+        raise ValueError(f"shard sizes {list(sizes)} do not cut a batch of {total} samples")
+    shards, start = [], 0
+    for n in sizes:
+        shards.append(map_batch(functools.partial(_rows, start=start, stop=start + n), batch))
+        start += n
+    return shards
 
 
 def _rows(t: Any, start: int, stop: int) -> Any:

@@ -53,6 +53,8 @@ class StepResult:
         redo: only in a job started by ``towers run --elastic``: a peer was lost during this
             step, nothing was updated, and ``ctx.shards`` yields the same global batch again,
             split over the survivors (docs/elastic.md).
+        tower_seconds: each tower's compute time for its shard (forward and backward, no
+            waits), which a balanced split follows (:mod:`towers.core.balance`).
     """
 
     loss: float
@@ -61,6 +63,7 @@ class StepResult:
     skipped: bool = False
     culprits: list[int] = field(default_factory=list)
     redo: bool = False
+    tower_seconds: list[float] = field(default_factory=list)
 
     @property
     def samples(self) -> int:
@@ -119,6 +122,7 @@ class Tally:
     culprits: list[int]  # towers whose loss or gradient was not finite
     had_grad: list[bool]  # per parameter: whether any tower produced a gradient
     regroup: bool = False  # some tower asked that all regroup after this step (elastic runs)
+    seconds: list[float] = field(default_factory=list)  # each tower's compute time
 
     @property
     def total(self) -> int:
@@ -131,10 +135,10 @@ class StepMeta:
 
     Three blocks of ``world`` slots (sample counts, loss sums, non-finite flags; tower r writes
     slot r, the others stay zero), one slot per parameter (1 where this tower has a gradient),
-    and a trailing regroup flag (1 where this tower saw a replacement waiting to join). Summed
-    over towers, the first three blocks hold every tower's value, the parameter slots count the
-    towers that had a gradient, and the flag is non-zero if any tower asked: every tower then
-    regroups after the same step.
+    a block of ``world`` slots of compute seconds, and a trailing regroup flag (1 where this
+    tower saw a replacement waiting to join). Summed over towers, the ``world`` blocks hold
+    every tower's value, the parameter slots count the towers that had a gradient, and the
+    flag is non-zero if any tower asked: every tower then regroups after the same step.
     """
 
     world: int
@@ -142,7 +146,7 @@ class StepMeta:
 
     @property
     def length(self) -> int:
-        return 3 * self.world + self.params + 1
+        return 4 * self.world + self.params + 1
 
     def pack(
         self,
@@ -152,13 +156,16 @@ class StepMeta:
         bad: bool,
         had_grad: torch.Tensor,
         regroup: bool = False,
+        seconds: float = 0.0,
     ) -> torch.Tensor:
         """This tower's vector (``had_grad``: one 0/1 value per parameter)."""
+        w, p = self.world, self.params
         meta = torch.zeros(self.length, dtype=torch.float64)
         meta[rank] = samples
-        meta[self.world + rank] = loss_sum if samples > 0 else 0.0
-        meta[2 * self.world + rank] = 1.0 if bad else 0.0
-        meta[3 * self.world : 3 * self.world + self.params] = had_grad
+        meta[w + rank] = loss_sum if samples > 0 else 0.0
+        meta[2 * w + rank] = 1.0 if bad else 0.0
+        meta[3 * w : 3 * w + p] = had_grad
+        meta[3 * w + p + rank] = seconds
         meta[-1] = 1.0 if regroup else 0.0
         return meta
 
@@ -184,6 +191,7 @@ class StepMeta:
             culprits=[r for r, f in enumerate(values[2 * w : 3 * w]) if f > 0],
             had_grad=[g > 0 for g in values[3 * w : 3 * w + self.params]],
             regroup=values[-1] > 0,
+            seconds=values[3 * w + self.params : 4 * w + self.params],
         )
 
 
@@ -198,7 +206,10 @@ def step_result(tally: Tally, sums_finite: bool) -> StepResult:
         raise ValueError("no tower had any samples in this step; every step needs >= 1")
     tower_losses = [s / c if c > 0 else math.nan for s, c in zip(tally.sums, tally.counts)]
     skipped = bool(tally.culprits) or not sums_finite
-    return StepResult(sum(tally.sums) / total, tower_losses, tally.counts, skipped, tally.culprits)
+    loss = sum(tally.sums) / total
+    return StepResult(
+        loss, tower_losses, tally.counts, skipped, tally.culprits, tower_seconds=tally.seconds
+    )
 
 
 def assign_grads(
@@ -270,7 +281,12 @@ def mean_values(
 
 
 def local_step(
-    params: Sequence[torch.Tensor], loss_sum: float, samples: int, rank: int, world: int
+    params: Sequence[torch.Tensor],
+    loss_sum: float,
+    samples: int,
+    rank: int,
+    world: int,
+    seconds: float = 0.0,
 ) -> StepResult:
     """A step a tower takes alone (DiLoCo's inner steps): its gradients of ``loss * samples``
     become the mean over its ``samples`` unless the loss or a gradient is not finite.
@@ -283,10 +299,10 @@ def local_step(
     if samples > 0 and not bad:
         for g in grads:
             g.div_(samples)
-    losses, counts = [math.nan] * world, [0] * world
+    losses, counts, times = [math.nan] * world, [0] * world, [0.0] * world
     losses[rank] = loss_sum / samples if samples else math.nan
-    counts[rank] = samples
-    return StepResult(losses[rank], losses, counts, bad, [rank] if bad else [])
+    counts[rank], times[rank] = samples, seconds
+    return StepResult(losses[rank], losses, counts, bad, [rank] if bad else [], False, times)
 
 
 def divide_on_device(

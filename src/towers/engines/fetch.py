@@ -20,14 +20,15 @@ dataset's memory, where a started one would need the dataset pickled again.
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from ..core.balance import split_sizes
 from ..core.data import BatchOrder, is_dataset, num_samples, take
-from ..core.split import split
+from ..core.split import cut, split
 from .job import Job
 
 __all__ = ["Fetcher", "Planned", "load"]
@@ -103,11 +104,21 @@ class _Collate:
 
 
 class _Plan:
-    """This tower's micro-batches of global batches ``first..steps-1``, as index lists."""
+    """This tower's micro-batches of global batches ``first..steps-1``, as index lists;
+    ``shares``: each tower's share of a global batch, where the split is balanced."""
 
-    def __init__(self, job: Job, rank: int, world: int, first: int, position: Any):
+    def __init__(
+        self,
+        job: Job,
+        rank: int,
+        world: int,
+        first: int,
+        position: Any,
+        shares: Sequence[float] | None = None,
+    ):
         self.job, self.rank, self.world, self.first = job, rank, world, first
         self.position = position  # the batch order's state at ``first``; None: from the start
+        self.shares = shares
 
     def __iter__(self) -> Iterator[list[int]]:
         job = self.job
@@ -115,7 +126,11 @@ class _Plan:
         if self.position is not None:
             order.load_state_dict(self.position)
         for _ in range(self.first, job.steps):
-            mine = split(next(order), self.world)[self.rank]
+            batch = next(order)
+            if self.shares is None:
+                mine = split(batch, self.world)[self.rank]
+            else:
+                mine = cut(batch, split_sizes(len(batch), self.shares))[self.rank]
             for micro in split(mine, job.accumulate):
                 if len(micro):
                     yield micro.tolist()
@@ -125,8 +140,16 @@ class Planned:
     """The synchronous loop's fetcher with ``num_workers > 0``; call it with the indices the
     loop is about to train on (they must come in the planned order)."""
 
-    def __init__(self, job: Job, rank: int, world: int, first: int, position: Any):
-        plan = _Plan(job, rank, world, first, position)
+    def __init__(
+        self,
+        job: Job,
+        rank: int,
+        world: int,
+        first: int,
+        position: Any,
+        shares: Sequence[float] | None = None,
+    ):
+        plan = _Plan(job, rank, world, first, position, shares)
         self.batches: Iterator[tuple[list[int], Any]] | None = iter(_loader(job, job.data, plan))
 
     def __call__(self, indices: torch.Tensor) -> Any:

@@ -206,13 +206,16 @@ class Periods:
         """Inner step on global batch ``index``: this tower's optimizer steps on its shard's
         mean gradient, unless a loss or gradient was not finite. Returns this tower's result."""
         assert optimizer is not None, "DiLoCo's inner steps need the optimizer"
-        loss_sum, samples = driver.take()  # never armed: nothing was reduced
-        result = local_step(driver.params, loss_sum, samples, driver.rank, driver.world_size)
+        loss_sum, samples, seconds = driver.take()  # never armed: nothing was reduced
+        where = driver.rank, driver.world_size
+        result = local_step(driver.params, loss_sum, samples, *where, seconds)
         if samples > 0 and not result.skipped:
             optimizer.step()
         driver.zero_grad()
         bad = result.skipped
-        entry = InnerStep(index, loss_sum if samples else 0.0, samples, bad, at() if at else 0.0)
+        entry = InnerStep(
+            index, loss_sum if samples else 0.0, samples, bad, at() if at else 0.0, seconds
+        )
         self.window.append(entry)
         for c in self.counts:
             c.add(entry)

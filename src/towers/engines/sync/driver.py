@@ -78,6 +78,7 @@ class SyncDriver:
         self.state: Any = None  # the transform's committed state
         self.samples = 0  # this tower's samples since the last reduce()
         self.loss_sum: float | torch.Tensor = 0.0  # and their loss sum (a tensor, unread)
+        self.seconds = 0.0  # and the compute time they took
         self._settled: list[torch.Tensor] = []  # buffers after the last completed step
 
     # -- the model -------------------------------------------------------------------------
@@ -201,21 +202,23 @@ class SyncDriver:
         """The next backward is this step's last: reduce its gradients as they arrive."""
         self._sync().arm()
 
-    def add(self, loss_sum: float | torch.Tensor, samples: int) -> None:
-        """Count a backpropagated micro-batch: its loss summed over ``samples`` samples."""
+    def add(self, loss_sum: float | torch.Tensor, samples: int, seconds: float = 0.0) -> None:
+        """Count a backpropagated micro-batch: its loss summed over ``samples`` samples, and
+        the ``seconds`` it took to compute (what a balanced split follows)."""
         self.loss_sum += loss_sum
         self.samples += samples
+        self.seconds += seconds
 
     def backward(self, loss: torch.Tensor, samples: int, scaler: Any = None) -> None:
         """Backpropagate ``loss * samples`` (scaled by ``scaler``, a ``GradScaler``, if given)
         and count it (see :func:`backward_weighted`)."""
         self.add(backward_weighted(loss, samples, scaler), samples)
 
-    def take(self) -> tuple[float, int]:
-        """The loss sum and samples counted since the last reduction, no longer counted: for a
-        step that this tower takes alone (DiLoCo's inner steps)."""
-        counted = float(self.loss_sum), self.samples
-        self.samples, self.loss_sum = 0, 0.0
+    def take(self) -> tuple[float, int, float]:
+        """The loss sum, samples and seconds counted since the last reduction, no longer
+        counted: for a step that this tower takes alone (DiLoCo's inner steps)."""
+        counted = float(self.loss_sum), self.samples, self.seconds
+        self.samples, self.loss_sum, self.seconds = 0, 0.0, 0.0
         return counted
 
     def reduce(self, stamp: torch.Tensor | None = None) -> StepResult:
@@ -239,9 +242,10 @@ class SyncDriver:
         as the caller counted them with :meth:`add`; :meth:`land` returns their means."""
         sync = self._sync()
         try:
-            sync.launch(self.samples, self.loss_sum, stamp, self.group.regroup_wanted, values)
+            regroup = self.group.regroup_wanted
+            sync.launch(self.samples, self.loss_sum, stamp, regroup, values, self.seconds)
         finally:
-            self.samples, self.loss_sum = 0, 0.0
+            self.samples, self.loss_sum, self.seconds = 0, 0.0, 0.0
 
     def land(self) -> StepResult:
         """Wait for the reduction :meth:`launch` started and decide it (see :meth:`reduce`)."""

@@ -311,6 +311,7 @@ class GradientSync:
         stamp: torch.Tensor | None = None,
         regroup: bool = False,
         values: Mapping[int, torch.Tensor] | None = None,
+        seconds: float = 0.0,
     ) -> None:
         """The first half of :meth:`finish`: pack and start reducing every bucket not yet
         started, the metadata in the last; :meth:`land` completes it.
@@ -341,7 +342,13 @@ class GradientSync:
         loss_ok = finite_flag(pending) if pending is not None else math.isfinite(loss_sum)
         finite = both_finite(self._finite, loss_ok)
         meta = self.meta.pack(
-            self.comm.rank, samples, float(loss_sum), finite is False, self._had_grad, regroup
+            self.comm.rank,
+            samples,
+            float(loss_sum),
+            finite is False,
+            self._had_grad,
+            regroup,
+            seconds,
         )
         self._checked = stamp is not None  # towers.train's loop builds the batches: no stamp
         meta = torch.cat([meta, stamp if stamp is not None else self._no_stamp])

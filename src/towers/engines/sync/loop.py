@@ -21,7 +21,7 @@ from ...comm.elastic import ElasticConnection
 from ...comm.group import Connection
 from ...core.data import BatchOrder, is_dataset, num_samples
 from ...core.launch import read_launch
-from ...core.split import split
+from ...core.split import cut
 from ...core.step import StepResult
 from .. import checkpoint
 from ..evaluate import combine, due, evaluate
@@ -108,6 +108,7 @@ class _Run:
         self.first = self.done
         self.fetcher = Fetcher(job)  # evaluation's
         self.fetch: Planned | None = None  # a DataLoader's processes, planned ahead
+        self._planned: list[float] | None = None  # the shares they were planned with
         self.reporter = Reporter(job, worker == 0, initial=self.first)
         self.start, self.first_samples = time.perf_counter(), self.record.samples
 
@@ -121,14 +122,23 @@ class _Run:
         self.state.steps = value
 
     def _plan_loading(self) -> None:
-        """Plan this tower's part of the remaining batches for the new members."""
+        """Plan this tower's part of the remaining batches for the current members and split
+        (the data-loading processes fetch ahead of the loop)."""
         job, comm = self.job, self.group.comm
         if self.fetch is not None:
             self.fetch.close()
+            self.fetch = None
         if job.num_workers and is_dataset(job.data):
             self.order.seek(self.done)
             position = self.order.state_dict()
-            self.fetch = Planned(job, comm.rank, comm.world_size, self.done, position)
+            self._planned = self._shares()
+            where = comm.rank, comm.world_size
+            self.fetch = Planned(job, *where, self.done, position, self._planned)
+
+    def _shares(self) -> list[float] | None:
+        """The shares of a balanced split, if it is one, for this many members."""
+        b = self.state.balancer
+        return None if b is None or b.towers != self.group.comm.world_size else list(b.shares)
 
     def _restore(self, state: dict[str, Any]) -> None:
         """What the loop itself keeps of the checkpoint resumed: the data position, the
@@ -172,16 +182,19 @@ class _Run:
         """Train global batch ``k``, split over the current members."""
         job, comm, replica = self.job, self.group.comm, self.replica
         self.order.seek(k)
-        mine = split(next(self.order), comm.world_size)[comm.rank]
+        batch = next(self.order)
+        mine = cut(batch, self.state.split(len(batch), comm.world_size))[comm.rank]
+        if self.fetch is not None and self._planned != self._shares():
+            self._plan_loading()  # the split moved: the loaders fetch the new shards
         slow = job.straggle.get(comm.rank, 1.0)
-        fetch = None if self.fetch is None else self._planned
+        fetch = None if self.fetch is None else self._fetch_planned
         arm = self.driver.arm if self.plan.reduces else None  # before the last micro-batch
         replica.schedule_to(job.scheduled(k))  # a replacement catches up
-        self.driver.add(
-            *backward_shard(
-                job, replica.model, mine, self.device, before_last=arm, slow=slow, fetch=fetch
-            )
+        began = time.perf_counter()
+        loss_sum, samples = backward_shard(
+            job, replica.model, mine, self.device, before_last=arm, slow=slow, fetch=fetch
         )
+        self.driver.add(loss_sum, samples, time.perf_counter() - began)
         self.plan.step(self.driver, replica.optimizer, k, at=self._clock)
         replica.schedule_to(job.scheduled(k + 1))
         self.done = k + 1
@@ -194,13 +207,14 @@ class _Run:
         """Record the steps whose results over all towers arrived."""
         landed = self.plan.results()
         for k, r, at in landed:
+            self.state.observe(r)  # the next split follows the speeds measured
             self._completed(k, r, self._clock() if at is None else at)
         if landed and self.group.lost_at is not None:
             k = landed[-1][0]
             self.record.recoveries.append((k, max(0.0, time.time() - self.group.lost_at)))
             self.group.lost_at = None
 
-    def _planned(self, micro: list[torch.Tensor]) -> list[Any]:
+    def _fetch_planned(self, micro: list[torch.Tensor]) -> list[Any]:
         assert self.fetch is not None
         return [self.fetch(m) for m in micro]
 

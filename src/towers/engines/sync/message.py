@@ -4,8 +4,8 @@ Between two exchanges each tower trains alone, so the losses of its inner steps 
 Each exchange carries them in one float64 vector whose *sum* over towers (an all-reduce) still
 holds every tower's values, as the step's metadata does (:class:`~towers.core.step.StepMeta`):
 
-- for each inner step carried, three blocks of ``world`` slots: loss sums, sample counts,
-  non-finite flags (tower r writes slot r);
+- for each inner step carried, four blocks of ``world`` slots: loss sums, sample counts,
+  non-finite flags, compute seconds (tower r writes slot r);
 - ``world`` slots of weights (the samples each tower's pseudo-gradient stands for);
 - the tower's floating-point buffers (BatchNorm's running statistics) times its weight, so
   that the sum divided by the total weight is their weighted mean.
@@ -25,6 +25,8 @@ from ...core.step import StepResult
 
 __all__ = ["InnerStep", "pack", "read"]
 
+_BLOCKS = 4  # world-sized blocks per inner step: loss sums, samples, flags, seconds
+
 
 @dataclass
 class InnerStep:
@@ -35,6 +37,7 @@ class InnerStep:
     samples: int
     bad: bool  # its loss or a gradient was not finite: the tower skipped the step
     at: float  # the run's seconds when the tower finished it
+    seconds: float = 0.0  # its compute time (forward and backward), for a balanced split
 
     @property
     def applied(self) -> int:
@@ -53,13 +56,15 @@ def pack(
     w, n = world, len(steps)
     flat = [b.detach().double().reshape(-1).cpu() for b in buffers]
     values = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
-    message = torch.zeros(3 * w * n + w + values.numel(), dtype=torch.float64)
+    message = torch.zeros(_BLOCKS * w * n + w + values.numel(), dtype=torch.float64)
     for e, step in enumerate(steps):
-        message[3 * w * e + rank] = step.loss_sum
-        message[3 * w * e + w + rank] = step.samples
-        message[3 * w * e + 2 * w + rank] = 1.0 if step.bad else 0.0
-    message[3 * w * n + rank] = weight
-    message[3 * w * n + w :] = values * weight
+        at = _BLOCKS * w * e + rank
+        message[at] = step.loss_sum
+        message[at + w] = step.samples
+        message[at + 2 * w] = 1.0 if step.bad else 0.0
+        message[at + 3 * w] = step.seconds
+    message[_BLOCKS * w * n + rank] = weight
+    message[_BLOCKS * w * n + w :] = values * weight
     return message
 
 
@@ -68,25 +73,30 @@ def read(
 ) -> tuple[list[StepResult], torch.Tensor | None]:
     """From the sum of every tower's message carrying ``steps`` inner steps: each step's result
     over all towers, and the weighted mean of the buffers (``None`` if every weight is 0)."""
-    w = world
+    w, b = world, _BLOCKS
     values = summed.double().cpu()
-    listed = values[: 3 * w * steps + w].tolist()
+    listed = values[: b * w * steps + w].tolist()
     results = []
     for e in range(steps):
-        sums, counts, bads = (listed[3 * w * e + k * w : 3 * w * e + (k + 1) * w] for k in range(3))
-        results.append(_result(sums, [round(c) for c in counts], bads))
-    total = sum(listed[3 * w * steps :])
-    buffers = values[3 * w * steps + w :] / total if total > 0 else None
+        sums, counts, bads, seconds = (
+            listed[b * w * e + k * w : b * w * e + (k + 1) * w] for k in range(b)
+        )
+        results.append(_result(sums, [round(c) for c in counts], bads, seconds))
+    total = sum(listed[b * w * steps :])
+    buffers = values[b * w * steps + w :] / total if total > 0 else None
     return results, buffers
 
 
-def _result(sums: list[float], counts: list[int], bads: list[float]) -> StepResult:
-    """One global batch's result from every tower's loss sum, samples and non-finite flag."""
+def _result(
+    sums: list[float], counts: list[int], bads: list[float], seconds: list[float]
+) -> StepResult:
+    """One global batch's result from every tower's loss sum, samples, non-finite flag and
+    compute seconds."""
     total = sum(counts)
     losses = [s / c if c > 0 else math.nan for s, c in zip(sums, counts)]
     culprits = [t for t, b in enumerate(bads) if b > 0]
     loss = math.fsum(sums) / total if total else math.nan
-    return StepResult(loss, losses, counts, bool(culprits), culprits)
+    return StepResult(loss, losses, counts, bool(culprits), culprits, tower_seconds=seconds)
 
 
 def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

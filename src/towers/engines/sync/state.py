@@ -24,6 +24,8 @@ from torch import nn
 
 from ...comm.hang import calling
 from ...core.agree import BatchStamp
+from ...core.balance import Balancer
+from ...core.split import shard_sizes
 from ...core.step import StepResult
 from ..replica import Replica
 from .driver import SyncDriver
@@ -77,8 +79,11 @@ class RunState:
         joining: bool = False,
         replays: bool = True,
         regrouped: Callable[[], None] | None = None,
+        balance: bool = False,
     ):
         self.plan, self.journal = plan, journal
+        # each global batch split in proportion to the towers' speeds (core/balance.py)
+        self.balancer: Balancer | None = Balancer(1) if balance else None
         self.replays, self._regrouped = replays, regrouped
         self.replica: Replica | None = None  # the model once it is known
         self.steps = 0  # global batches completed
@@ -110,6 +115,7 @@ class RunState:
             "steps": self.plan.progress(self.steps),
             "plan": self.plan.snapshot(replica),
             "journal": self.journal.save(),
+            "balance": self._balance_state(),
         }
         if self.replays:
             # The members behind adopt this state and train on from it; so does this one, so
@@ -125,6 +131,7 @@ class RunState:
         if replica.optimizer is None:  # the optimizer a peer's state holds, for the first step
             self._pending = state["plan"].get("optimizer")
         self.journal.load(state["journal"])
+        self._load_balance(state["balance"])
         if self.newcomer:
             self.catch_up = state["steps"]
         self.newcomer = False
@@ -146,7 +153,8 @@ class RunState:
         run's)."""
         replica = replica or self._replica()
         streams = driver.gather_streams()
-        return {**replica.state(), **streams, **self.plan.checkpoint(driver, replica)}
+        planned = self.plan.checkpoint(driver, replica)
+        return {**replica.state(), **streams, **planned, "balance": self._balance_state()}
 
     def restore(
         self,
@@ -162,6 +170,34 @@ class RunState:
         replica.load(state)
         driver.restore_streams(state, reseed)
         self.plan.restore(state, driver, replica)
+        self._load_balance(state.get("balance"))
+
+    # -- the split of each global batch ----------------------------------------------------
+
+    def split(self, batch: int, towers: int) -> list[int]:
+        """The shard sizes of the next global batch of ``batch`` samples over ``towers``:
+        balanced if asked for, else :func:`towers.split`'s (the same on every rank)."""
+        if self.balancer is None:
+            return shard_sizes(batch, towers)
+        if self.balancer.towers != towers:  # the members changed: measure them afresh
+            self.balancer = Balancer(towers)
+        return self.balancer.split(batch)
+
+    def observe(self, result: StepResult) -> None:
+        """A step's result over all towers: its shard sizes and compute times steer the split."""
+        b = self.balancer
+        if b is not None and len(result.tower_seconds) == b.towers == len(result.tower_samples):
+            b.observe(result.tower_samples, result.tower_seconds)
+
+    def _balance_state(self) -> dict[str, Any] | None:
+        if self.balancer is None:
+            return None
+        return {"towers": self.balancer.towers, **self.balancer.state_dict()}
+
+    def _load_balance(self, state: dict[str, Any] | None) -> None:
+        if self.balancer is not None and state is not None:
+            self.balancer = Balancer(state["towers"])
+            self.balancer.load_state_dict(state)
 
     # -- the own loop's exchanges and evaluation -------------------------------------------
 
