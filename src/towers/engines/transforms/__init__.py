@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ...core.codecs import Bf16Codec, Fp16Codec, Int8Codec
 from .base import (
     AllReduce,
     Bucket,
@@ -41,9 +42,9 @@ __all__ = [
 
 # name -> (what its argument means or None, how to build it)
 COMPRESSIONS: dict[str, tuple[str | None, Callable[[int | None], GradientTransform]]] = {
-    "bf16": (None, lambda _: CodedSum("bf16")),
-    "fp16": (None, lambda _: CodedSum("fp16")),
-    "int8": (None, lambda _: CodedSum("int8", feedback=True)),
+    "bf16": (None, lambda _: CodedSum(Bf16Codec())),
+    "fp16": (None, lambda _: CodedSum(Fp16Codec())),
+    "int8": (None, lambda _: CodedSum(Int8Codec(), feedback=True)),
     "powersgd": ("R, the rank of the approximation (>= 1)", lambda r: PowerSGD(r)),  # type: ignore[arg-type]
 }
 
