@@ -218,6 +218,15 @@ class Spec:
         return ":".join([cls.name, *(f.letter for f in cls.fields if not f.optional)])
 
     @classmethod
+    def synopsis(cls) -> str:
+        """Every form at once, optional fields in brackets: ``"diloco:H[:overlap[:P]]"``."""
+        text, depth = cls.name, 0
+        for field in cls.fields:
+            text += f"[:{field.letter}" if field.optional else f":{field.letter}"
+            depth += field.optional
+        return text + "]" * depth
+
+    @classmethod
     def forms(cls) -> str:
         """Every form, in words: ``'diloco:H', 'diloco:H:overlap' or 'diloco:H:overlap:P'``."""
         texts, parts = [], [cls.name]
