@@ -1,5 +1,5 @@
-"""Named options as registered classes, without processes: fields of every type, the messages,
-and a compression added the way a mode is."""
+"""Named options, without processes: registered classes with fields of every type, their
+messages, a compression added the way a mode is, and the transports parsed into one enum."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 import towers.engines.transforms.compressions as compressions
 from towers.core.specs import Int, Real, Spec, Word, add, listing, parse
+from towers.core.transport import Transport
 from towers.engines.transforms import COMPRESSIONS, AllReduce, Compression, compression
 
 
@@ -162,3 +163,13 @@ def test_the_registered_compressions_in_order():
         "fp16",
         "int8",
     ]
+
+
+def test_a_transport_is_parsed_once_from_the_keyword_or_the_environment():
+    assert Transport.parse("shm") is Transport.SHM
+    assert Transport.parse(Transport.NCCL) is Transport.NCCL  # parsed already: passes through
+    assert Transport.parse(None, "gloo") is Transport.GLOO  # TOWERS_TRANSPORT
+    assert Transport.parse("shm", "gloo") is Transport.SHM  # the keyword wins
+    assert Transport.parse(None) is Transport.AUTO and str(Transport.AUTO) == "auto"
+    with pytest.raises(ValueError, match="must be one of auto, shm, gloo, nccl; got 'tcp'"):
+        Transport.parse(None, "tcp")
