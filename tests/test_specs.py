@@ -4,11 +4,14 @@ messages, a compression added the way a mode is, and the transports parsed into 
 from __future__ import annotations
 
 import pickle
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 import towers.engines.transforms.compressions as compressions
+from towers.core.modes import MODES
 from towers.core.specs import Int, Real, Spec, Word, add, listing, parse
 from towers.core.transport import Transport
 from towers.engines.transforms import COMPRESSIONS, AllReduce, Compression, compression
@@ -173,3 +176,18 @@ def test_a_transport_is_parsed_once_from_the_keyword_or_the_environment():
     assert Transport.parse(None) is Transport.AUTO and str(Transport.AUTO) == "auto"
     with pytest.raises(ValueError, match="must be one of auto, shm, gloo, nccl; got 'tcp'"):
         Transport.parse(None, "tcp")
+
+
+def _table_rows(path: Path, heading: str) -> list[str]:
+    """The quoted options in the first column of the first table after ``heading``."""
+    text = path.read_text().split(heading, 1)[1]
+    table = text.split("\n\n|", 1)[1].split("\n\n", 1)[0]
+    return re.findall(r'^\| `"([^"]+)"` \|', "|" + table, re.M)
+
+
+def test_the_documentation_tables_list_the_registered_options():
+    root = Path(__file__).resolve().parents[1]
+    modes = _table_rows(root / "README.md", "## Synchronous or asynchronous")
+    assert modes == [cls.usage() for cls in MODES.values()]
+    compressed = _table_rows(root / "docs" / "compression.md", "# Compressed gradients")
+    assert compressed == [cls.usage() for cls in COMPRESSIONS.values()]
