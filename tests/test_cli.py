@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from towers.core.modes import MODES
+from towers.core.modes import MODES, Engine, Mode
+from towers.engines.transforms import COMPRESSIONS, Compression
 from towers.tools.bench import ARMS
 from towers.tools.cli_args import BENCH_ARMS, build_parser
-from towers.tools.cli_args import MODES as NAMED_MODES
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -39,7 +39,39 @@ def test_every_command_and_option_says_what_it_does_and_its_default():
                 assert "default" in action.help, f"{where} does not say its default"
     # the values the help lists are the ones the code accepts
     assert list(BENCH_ARMS) == ARMS
-    assert [m.split(":")[0] for m in NAMED_MODES] == list(MODES)
+
+
+class Nap(Mode):
+    """A mode made up for the test: registered, it is in the help."""
+
+    name = "nap"
+    help = "every tower naps N times a step"
+    meaning = "N, naps per step (>= 1)"
+    minimum = 1
+    engine = Engine.SYNC
+
+
+class Squeeze(Compression):
+    """A compression made up for the test."""
+
+    name = "squeeze"
+    help = "every value squeezed"
+
+
+def test_the_help_lists_every_registered_mode_and_compression(monkeypatch):
+    monkeypatch.setitem(MODES, Nap.name, Nap)
+    monkeypatch.setitem(COMPRESSIONS, Squeeze.name, Squeeze)
+    run, compare = _commands()["run"].format_help(), _commands()["compare"].format_help()
+    flat = " ".join(compare.split())  # argparse wraps the options' help
+    for cls in MODES.values():
+        for text in (run, compare):
+            assert cls.synopsis() in text and cls.summary().split()[-1] in text, cls.name
+        assert f" {cls.usage()}," in flat or f" {cls.usage()} (default" in flat, cls.name
+    assert "nap:N" in run and "every tower naps N times a step" in run
+    assert "sync,async,ssp:2,local:4,backup:1,diloco:4,nap:1" in flat  # compare's default
+    for cls in COMPRESSIONS.values():
+        assert cls.synopsis() in compare and cls.typical() in flat, cls.name
+    assert "squeeze" in compare and "every value squeezed" in compare
 
 
 def test_run_usage_and_options_agree_and_say_that_the_separator_is_optional():

@@ -6,7 +6,7 @@ optax's transforms: a transform is an object with ``init(layouts) -> state`` and
 ``towers.train(..., transform=...)`` or ``ctx.replicate(model, transform=...)``. A bucket comes
 in holding this tower's gradients weighted by its samples and must come out holding their sum
 over the towers; towers divides by the total sample count, checks that every value is finite
-and hands the mean to the parameters. See docs/architecture.md ("Add a gradient transform").
+and hands the mean to the parameters. See docs/architecture.md ("Where to add things").
 
 Example:
     >>> class Half:  # every gradient halved, then summed as usual

@@ -12,12 +12,13 @@ import sys
 from ..core.devices import Placement, narrow, place, visible_gpus
 from ..core.launch import Launch
 from ..core.modes import Mode
+from ..core.transport import Transport
 
 __all__ = ["loop_placement", "train_placement"]
 
 
 def train_placement(
-    request: str, mode: Mode, workers: int, launch: Launch, transport: str | None, elastic: bool
+    request: str, mode: Mode, workers: int, launch: Launch, transport: Transport, elastic: bool
 ) -> Placement:
     """Where ``towers.train``'s workers compute; rank 0's placement (every rank's ``kind`` is
     the same). Raises ``ValueError`` before any worker starts if ``request`` cannot be served."""
@@ -38,7 +39,7 @@ def train_placement(
 
 
 def loop_placement(
-    request: str, launch: Launch, backend: str | None, transport: str | None
+    request: str, launch: Launch, backend: str | None, transport: Transport
 ) -> Placement:
     """Where this own-loop process computes (``towers.init``)."""
     request = narrow(request, transport, backend)

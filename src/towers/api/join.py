@@ -11,6 +11,7 @@ from ..comm.elastic import ElasticConnection
 from ..comm.group import connect
 from ..core.args import check_timeout
 from ..core.launch import read_launch
+from ..core.transport import Transport
 from ..engines.sync.group import ElasticGroup, PlainGroup
 from .context import Context
 from .device import loop_placement
@@ -61,15 +62,16 @@ def init(
             "script without --mode, or train with towers.train(..., mode=...)"
         )
     timeout = check_timeout(timeout)
+    parsed = Transport.parse(transport, launch.transport)
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    if launch.elastic and (backend == "nccl" or transport == "nccl"):
+    if launch.elastic and (backend == "nccl" or parsed is Transport.NCCL):
         raise ValueError("towers run --elastic runs CPU workers: use backend='gloo'")
-    placement = loop_placement(device, launch, backend, transport)
+    placement = loop_placement(device, launch, backend, parsed)
     if not launch.elastic:
-        plain = connect(launch, timeout=timeout, transport=transport, device=placement.kind)
+        plain = connect(launch, timeout=timeout, transport=parsed, device=placement.kind)
         return Context(PlainGroup(plain))
-    elastic = ElasticConnection(launch, transport or "auto", timeout, joining=launch.joining)
+    elastic = ElasticConnection(launch, parsed, timeout, joining=launch.joining)
     group = ElasticGroup(elastic)
     group.join()  # rank and world size are known from here on
     return Context(group)

@@ -17,6 +17,7 @@ from ..core.args import check_timeout
 from ..core.data import batches_per_epoch
 from ..core.launch import Launch, read_launch
 from ..core.modes import Engine, Mode, parse_mode
+from ..core.transport import Transport
 from ..engines import checkpoint as checkpoint_files
 from ..engines.checkpoint import estimate_bytes
 from ..engines.job import Job, default_optimizer
@@ -47,7 +48,6 @@ _AS_GIVEN = (
     "seed",
     "accumulate",
     "checkpoint_every",
-    "transport",
     "eval_data",
     "eval_fn",
     "eval_every",
@@ -82,11 +82,11 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
         max_restarts=args["max_restarts"],
         checkpoint=args["checkpoint"],
         seed=args["seed"],
-        transport=args["transport"],
         log_dir=args["log_dir"],
     )
     check_options(data, **{k: args[k] for k in _OPTIONS})
     launch = read_launch()
+    transport = Transport.parse(args["transport"], launch.transport)
     launched = launch.launched
     mode = _mode(args["mode"], launch)
     workers = launched_workers(mode, args["workers"], launch)
@@ -102,10 +102,8 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
         )
     if not launched and (workers > 1 or mode.servers or args["max_restarts"]):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
-    check_elastic(args["elastic"], mode, args["transport"], launch)
-    placement = train_placement(
-        args["device"], mode, workers, launch, args["transport"], args["elastic"]
-    )
+    check_elastic(args["elastic"], mode, transport, launch)
+    placement = train_placement(args["device"], mode, workers, launch, transport, args["elastic"])
     job = Job(
         model=_on_cpu(model),
         loss_fn=args["loss_fn"],
@@ -125,6 +123,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
         transform=reduction(args["transform"], args["compress"], model, mode),
         outer_optimizer=args["outer_optimizer"],
         device=placement.kind,
+        transport=transport,
         **{k: args[k] for k in _AS_GIVEN},
     )
     here = launched or (workers + mode.servers == 1 and not args["max_restarts"])

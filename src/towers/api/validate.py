@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.group import TRANSPORTS
 from ..core.data import global_batches, num_samples, take
 from ..core.launch import Launch
 from ..core.messages import shorten
 from ..core.modes import Engine, Mode, parse_mode
 from ..core.split import leaves, split
+from ..core.transport import Transport
 from ..engines.job import Job
 from ..engines.replica import check_loss, to_device
 from ..engines.sync.mode import SyncMode
@@ -74,7 +74,6 @@ def check_arguments(
     max_restarts: Any,
     checkpoint: Any,
     seed: Any,
-    transport: Any,
     log_dir: Any,
 ) -> int:
     """Check what can be checked without building anything; returns the number of samples."""
@@ -104,8 +103,6 @@ def check_arguments(
         raise ValueError(f"checkpoint={str(checkpoint)!r} exists and is not a directory")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if transport is not None and transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
     if log_dir is not None:
         try:
             importlib.import_module("torch.utils.tensorboard")
@@ -260,7 +257,7 @@ def preflight(job: Job, workers: int, device: torch.device | None) -> None:
         check_loss(job.loss_fn(probe.to(device), to_device(shard, device)), model=probe)
 
 
-def check_elastic(elastic: Any, mode: Mode, transport: str | None, launch: Launch) -> None:
+def check_elastic(elastic: Any, mode: Mode, transport: Transport, launch: Launch) -> None:
     """``elastic=True`` needs sync mode, CPU workers, and local workers started by ``train``."""
     if not isinstance(elastic, bool):
         raise TypeError(f"elastic must be True or False, got {elastic!r}")
@@ -278,7 +275,7 @@ def check_elastic(elastic: Any, mode: Mode, transport: str | None, launch: Launc
             f"goes to the others, with exact results); mode {str(mode)!r} already goes on "
             "without a dead worker: drop elastic=True"
         )
-    if transport == "nccl":
+    if transport is Transport.NCCL:
         raise ValueError(
             "elastic=True runs CPU workers (Gloo or shared memory); pass transport='gloo' or "
             "'shm', or drop elastic=True to train on GPUs"

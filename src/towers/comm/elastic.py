@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..core.args import check_timeout
 from ..core.launch import Launch
+from ..core.transport import Transport
 from .base import Comm, DistComm, LocalComm, PeerFailure
 from .group import DEFAULT_TIMEOUT, shm_or_group
 from .membership import Membership, key
@@ -35,7 +36,7 @@ class ElasticConnection:
     """
 
     def __init__(
-        self, launch: Launch, transport: str, timeout: float | None, joining: bool = False
+        self, launch: Launch, transport: Transport, timeout: float | None, joining: bool = False
     ):
         self.transport = transport
         timeout = check_timeout(timeout)
@@ -81,7 +82,7 @@ class ElasticConnection:
 
     def _transport(self, base: DistComm) -> Comm:
         if self.hosts:  # never shared memory across hosts
-            if self.transport == "shm":
+            if self.transport is Transport.SHM:
                 raise RuntimeError("transport='shm' is not available across hosts: use 'gloo'")
             return base
         return shm_or_group(base, self.transport, self.timeout, self.membership.interrupt)

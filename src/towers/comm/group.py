@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..core.launch import Launch
 from ..core.messages import first_line
 from ..core.secret import JobSecret
+from ..core.transport import Transport
 from .base import DEFAULT_TIMEOUT, Comm, DistComm, LocalComm
 from .hierarchy import by_host, two_levels
 from .net import is_loopback
@@ -37,14 +38,10 @@ from .store import check_owner, claim, client_store, host_store, job_store
 
 __all__ = [
     "DEFAULT_TIMEOUT",
-    "TRANSPORTS",
     "Connection",
-    "check_transport",
     "connect",
     "init_process_group",
 ]
-
-TRANSPORTS = ("auto", "shm", "gloo", "nccl")
 
 
 def _store(launch: Launch, secret: JobSecret | None, timeout: timedelta) -> Any:
@@ -128,28 +125,21 @@ class Connection:
             gc.collect()
 
 
-def check_transport(transport: str | None, launched: str | None = None) -> str:
-    """The transport to use: ``transport``, else ``launched`` (``TOWERS_TRANSPORT``), else auto."""
-    if transport is None:
-        transport = launched or "auto"
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
-    return transport
-
-
 def connect(
     launch: Launch,
     *,
     timeout: float | None = None,
-    transport: str | None = None,
+    transport: Transport | str | None = None,
     device: str = "cpu",
 ) -> Connection:
     """Join the job ``launch`` describes (a world of one if the process was not launched).
 
-    ``device``: ``"cuda"`` (this rank computes on ``cuda:LOCAL_RANK`` and the group is NCCL's)
-    or ``"cpu"`` (Gloo); chosen above this layer (:func:`towers.core.devices.place`).
+    ``transport``: as parsed by the API (a name is parsed here too; ``None``: the launch's
+    ``TOWERS_TRANSPORT``, else auto). ``device``: ``"cuda"`` (this rank computes on
+    ``cuda:LOCAL_RANK`` and the group is NCCL's) or ``"cpu"`` (Gloo); chosen above this layer
+    (:func:`towers.core.devices.place`).
     """
-    transport = check_transport(transport, launch.transport)
+    transport = Transport.parse(transport, launch.transport)
     local_rank = launch.local_rank if launch.launched else 0
     here = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
     if device == "cuda":
@@ -170,10 +160,11 @@ def connect(
     return Connection(comm, here, local_rank, owns_group, secret)
 
 
-def choose_transport(base: DistComm, transport: str, timeout: float) -> Comm:
+def choose_transport(base: DistComm, transport: Transport, timeout: float) -> Comm:
     """What sums over ``base``'s ranks: two levels across hosts (``auto``, CPU workers, several
     hosts and several workers on some), else :func:`shm_or_group`."""
-    if transport == "auto" and base.world_size > 1 and dist.get_backend(base.group) == "gloo":
+    auto = transport is Transport.AUTO
+    if auto and base.world_size > 1 and dist.get_backend(base.group) == "gloo":
         hosts = by_host(base.all_gather_object(host_key()))
         if len(hosts) > 1:
             return two_levels(base, hosts, timeout)
@@ -181,18 +172,21 @@ def choose_transport(base: DistComm, transport: str, timeout: float) -> Comm:
 
 
 def shm_or_group(
-    base: DistComm, transport: str, timeout: float, interrupt: threading.Event | None = None
+    base: DistComm,
+    transport: Transport,
+    timeout: float,
+    interrupt: threading.Event | None = None,
 ) -> Comm:
     """Shared memory when asked for, or when ``auto`` and it applies; else the process group.
 
     ``interrupt`` (elastic jobs) lets a waiting shared-memory collective be interrupted.
     """
-    if transport in ("gloo", "nccl") or base.world_size == 1:
+    if transport in (Transport.GLOO, Transport.NCCL) or base.world_size == 1:
         return base
     gloo = dist.get_backend(base.group) == "gloo"
-    if transport == "auto" and not gloo:
+    if transport is Transport.AUTO and not gloo:
         return base
-    if transport == "shm" and not gloo:
+    if transport is Transport.SHM and not gloo:
         raise ValueError(
             f"transport='shm' averages CPU tensors; this job runs on "
             f"{dist.get_backend(base.group)} (GPU): use transport='auto' or 'nccl'"
@@ -200,6 +194,6 @@ def shm_or_group(
     try:
         return ShmComm(base, timeout=timeout, interrupt=interrupt)
     except ShmUnavailable as exc:
-        if transport == "shm":
+        if transport is Transport.SHM:
             raise RuntimeError(f"transport='shm' is not available: {exc}") from None
         return base

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .transport import Transport
+
 __all__ = ["DEVICES", "Placement", "check_device", "moved", "narrow", "place", "visible_gpus"]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -68,26 +70,30 @@ def check_device(device: object) -> str:
     return device
 
 
-def narrow(request: str, transport: str | None = None, backend: str | None = None) -> str:
+def narrow(
+    request: str, transport: Transport | str | None = None, backend: str | None = None
+) -> str:
     """The device that ``request`` leaves once the transport or backend asked for is applied.
 
     NCCL moves GPU tensors; Gloo and shared memory move CPU tensors. ``auto`` follows them;
-    an explicit device that contradicts them is refused.
+    an explicit device that contradicts them is refused. ``backend`` is a process group's
+    (``"gloo"``, ``"nccl"``), read as the transport of the same name.
 
     Raises:
         ValueError: ``device='cpu'`` with NCCL, or ``device='cuda'`` with Gloo or shared memory.
     """
     request = check_device(request)
-    asked = [f"{k}={v!r}" for k, v in (("transport", transport), ("backend", backend)) if v]
-    wants = {v for v in (transport, backend) if v not in (None, "auto")}
-    if "nccl" in wants:
-        if request == "cpu" or wants & {"gloo", "shm"}:
+    given = {"transport": transport, "backend": backend}
+    asked = [f"{k}={str(v)!r}" for k, v in given.items() if v is not None and str(v) != "auto"]
+    wants = {Transport.parse(v) for v in given.values() if v is not None} - {Transport.AUTO}
+    if Transport.NCCL in wants:
+        if request == "cpu" or any(t.cpu for t in wants):
             raise ValueError(
                 f"{', '.join(asked)} with device={request!r}: NCCL moves GPU tensors and Gloo or "
                 "shared memory CPU tensors; pass device='cuda' for NCCL or device='cpu' for Gloo"
             )
         return "cuda"
-    if wants & {"gloo", "shm"}:
+    if any(t.cpu for t in wants):
         if request == "cuda":
             raise ValueError(
                 f"{', '.join(asked)} with device='cuda': Gloo and shared memory move CPU tensors "

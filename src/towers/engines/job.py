@@ -17,6 +17,7 @@ from torch import nn
 
 from ..core.data import batches_per_epoch, num_samples
 from ..core.modes import Engine, Mode
+from ..core.transport import Transport
 from .transforms import GradientTransform
 
 __all__ = [
@@ -74,7 +75,7 @@ class Job:
     checkpoint_every: int = 100
     every_rank: bool = False  # every rank returns the result (launched jobs), not only rank 0
     straggle: dict[int, float] = field(default_factory=dict)  # tower -> slowdown factor
-    transport: str | None = None
+    transport: Transport = Transport.AUTO  # given, else TOWERS_TRANSPORT, parsed in the caller
     elastic: bool = False  # sync: survive lost workers (the caller supervises them)
     eval_data: Any = None  # evaluated every eval_every global batches and at the end
     eval_fn: EvalFn | None = None  # None: {"loss": loss_fn(model, batch)}

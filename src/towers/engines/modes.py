@@ -1,12 +1,13 @@
 """The training modes, one class each, registered by name with :mod:`towers.core.modes`.
 
 A mode's class owns what differs between modes: its name and its argument's meaning and least
-value, the engine that trains it (``engine``; the parameter server's modes derive from
+value (or its fields, :mod:`towers.core.specs`), a line of help, the engine that trains it
+(``engine``; the parameter server's modes derive from
 :class:`~towers.engines.ps.mode.ServerMode`), the checks against the worker count, and, on the
 parameter server, the server's policy and the towers' role. A new mode is one class here with
-``@register``; ``towers.train(mode=...)``, ``towers run --mode`` and the checks pick it up by
-name. ``towers/engines/__init__.py`` imports this module, so the modes are registered whenever
-an engine is.
+``@register``; ``towers.train(mode=...)``, ``towers run --mode``, the command's help, ``towers
+compare`` and the error messages pick it up by name. ``towers/engines/__init__.py`` imports
+this module, so the modes are registered whenever an engine is.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, cast
 from torch import nn
 
 from ..core.modes import register
+from ..core.specs import Int, Word
 from .job import OptimizerFactory
 from .ps.mode import ServerMode
 from .ps.policies import AsyncPolicy, BackupPolicy, LocalPolicy, Policy, SspPolicy
@@ -34,6 +36,7 @@ class Sync(SyncMode):
     (sample-weighted) and all take the same step."""
 
     name = "sync"
+    help = "every tower computes its shard; one sample-weighted average and step per batch"
 
 
 @register
@@ -41,6 +44,7 @@ class Async(ServerMode):
     """``async``: the server applies each shard's gradient as it arrives."""
 
     name = "async"
+    help = "a parameter server applies each shard's gradient as it arrives"
 
     def policy(self, towers: int) -> Policy:
         return AsyncPolicy()
@@ -51,6 +55,8 @@ class Ssp(ServerMode):
     """``ssp:S``: as ``async``, but no tower more than S updates ahead of the slowest."""
 
     name = "ssp"
+    help = "as async, but no tower more than S updates ahead of the slowest"
+    example = "ssp:2"
     meaning = "S, the most updates a worker may run ahead of the slowest (>= 0)"
     minimum = 0
 
@@ -63,6 +69,8 @@ class Local(ServerMode):
     """``local:K``: each tower steps alone; the parameters are averaged every K steps."""
 
     name = "local"
+    help = "each tower steps alone; the parameters are averaged every K steps"
+    example = "local:4"
     meaning = "K, the steps between parameter averages (>= 1)"
     minimum = 1
 
@@ -78,6 +86,8 @@ class Backup(ServerMode):
     """``backup:B``: each step applies the first ``workers - B`` shards to arrive."""
 
     name = "backup"
+    help = "each step applies the first workers - B shards to arrive, drops the rest"
+    example = "backup:1"
     meaning = "B, the late shards dropped per step (>= 1, fewer than workers)"
     minimum = 1
 
@@ -92,9 +102,6 @@ class Backup(ServerMode):
         return BackupPolicy(cast(int, self.arg), towers)
 
 
-_DILOCO_FORMS = "'diloco:H', 'diloco:H:overlap' or 'diloco:H:overlap:P'"
-
-
 @register
 @dataclass(frozen=True)
 class Diloco(SyncMode):
@@ -104,44 +111,31 @@ class Diloco(SyncMode):
     exchanged in P fragments, one every H / P steps."""
 
     name = "diloco"
-    meaning = "H, the inner steps between outer steps (>= 1)"
-    minimum = 1
+    title = "DiLoCo"
+    help = "each tower takes H steps alone, then an outer step on the averaged pseudo-gradients"
+    example = "diloco:4"
+    fields = (
+        Int("H, the inner steps between outer steps (>= 1)", minimum=1),
+        Word("overlap"),
+        Int(
+            "P, the fragments, one exchanged every H / P steps (>= 1, divides H)",
+            minimum=1,
+            optional=True,
+        ),
+    )
     outer_steps = True
     averages_buffers = True
 
     overlap: bool = False
     fragments: int = 1
 
-    def __str__(self) -> str:
-        text = f"{self.name}:{self.arg}"
-        if self.overlap:
-            text += ":overlap" + (f":{self.fragments}" if self.fragments > 1 else "")
-        return text
-
-    @classmethod
-    def parse(cls, mode: str, arg: str | None) -> Diloco:
-        head, sep, rest = (arg or "").partition(":")
-        every = cast(int, super().parse(mode, head if arg is not None else None).arg)
-        if not sep:
-            return cls(every)
-        option, sep, parts = rest.partition(":")
-        if option != "overlap":
+    def check(self) -> None:
+        every = cast(int, self.arg)
+        if every % self.fragments:
             raise ValueError(
-                f"mode {mode!r}: unknown option {option!r}; DiLoCo modes are written "
-                f"{_DILOCO_FORMS} (P fragments, a divisor of H)"
+                f"mode {str(self)!r}: the fragments P must be an integer >= 1 that divides "
+                f"H={every} (one fragment is exchanged every H / P steps); got {self.fragments}"
             )
-        if not sep:
-            return cls(every, overlap=True)
-        try:
-            fragments = int(parts)
-        except ValueError:
-            fragments = 0
-        if fragments < 1 or every % fragments:
-            raise ValueError(
-                f"mode {mode!r}: the fragments P must be an integer >= 1 that divides "
-                f"H={every} (one fragment is exchanged every H / P steps); got {parts!r}"
-            )
-        return cls(every, overlap=True, fragments=fragments)
 
     def plan(self, outer_optimizer: OptimizerFactory | None = None) -> StepPlan:
         every = cast(int, self.arg)

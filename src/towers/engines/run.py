@@ -16,6 +16,7 @@ from ..comm.group import Connection, connect
 from ..core.data import BatchOrder, num_samples
 from ..core.launch import read_launch
 from ..core.modes import Engine
+from ..core.transport import Transport
 from . import checkpoint
 from .job import EngineResult, Job
 from .ps import check_resumable, run_ps
@@ -53,7 +54,7 @@ def run_job(job: Job, resume: dict[str, Any] | None) -> EngineResult | None:
     engine = _ENGINES[job.mode.engine]
     transport = job.transport
     if engine.point_to_point:
-        transport = "nccl" if job.device == "cuda" else "gloo"
+        transport = Transport.NCCL if job.device == "cuda" else Transport.GLOO
     conn = connect(read_launch(), timeout=job.timeout, transport=transport, device=job.device)
     try:
         return engine.train(job, conn, resume)

@@ -35,8 +35,12 @@ def _compare(args: argparse.Namespace) -> int:
     args.workers = args.workers or 4
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        parse_mode(m)
+    try:
+        for m in modes:
+            parse_mode(m)
+    except ValueError as exc:
+        print(f"towers compare: --modes: {exc}", file=sys.stderr)
+        return 2
     if args.factor < 1:
         print(f"towers compare: --factor must be >= 1, got {args.factor}", file=sys.stderr)
         return 2

@@ -1,15 +1,22 @@
 """What the ``towers`` command accepts: each command's description, options, help and defaults.
 
 The commands themselves are in :mod:`towers.tools.cli`. Every option says its default and, where
-only some values are valid, which; nothing here imports torch, so ``towers --help`` is quick.
+only some values are valid, which: the modes and the compressions, with a line of help each,
+are listed from their registries (:mod:`towers.core.specs`), so a new one appears here by being
+registered.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Iterable
 
-__all__ = ["BENCH_ARMS", "DEMO_OUT", "build_parser"]
+from ..core.modes import MODES
+from ..core.specs import Spec
+from ..engines.transforms import COMPRESSIONS
+
+__all__ = ["BENCH_ARMS", "DEMO_OUT", "build_parser", "options_help"]
 
 Handler = Callable[[argparse.Namespace], int]
 DEMO_OUT = "towers-demo/loss.png"
@@ -26,8 +33,6 @@ BENCH_ARMS = (
     "train-sync",
     "train-elastic",
 )
-# towers.core.modes.MODES, named likewise
-MODES = ("sync", "async", "ssp:S", "local:K", "backup:B", "diloco:H")
 
 
 def _add_bench(sub: argparse._SubParsersAction, handler: Handler) -> None:
@@ -128,6 +133,7 @@ its messages: a fresh one, or --secret-file / TOWERS_SECRET.
 examples:
   towers run train.py -n 4 --lr 0.1
   towers run train.py -n 4 --show-ranks 0 -- --mode fast""",
+        epilog=options_help("modes (--mode)", MODES.values()),
     )
     run.add_argument("script", metavar="SCRIPT", help="the Python script to run in every rank")
     run.add_argument("-n", "--nproc", type=int, default=2, metavar="N", help="workers (default 2)")
@@ -213,7 +219,20 @@ def _add_run_elastic(run: argparse.ArgumentParser) -> None:
 
 
 def _modes() -> str:
-    return ", ".join(MODES)
+    return ", ".join(cls.usage() for cls in MODES.values())
+
+
+def options_help(title: str, specs: Iterable[type[Spec]]) -> str:
+    """A help section: ``title``, then each option's forms and its line of help."""
+    lines = [f"{title}:"]
+    for cls in specs:
+        lines += textwrap.wrap(
+            cls.summary(),
+            width=79,
+            initial_indent=f"  {cls.synopsis():<24}",
+            subsequent_indent=" " * 26,
+        )
+    return "\n".join(lines)
 
 
 def _add_demo(sub: argparse._SubParsersAction, handler: Handler) -> None:
@@ -268,10 +287,17 @@ def _add_compare(sub: argparse._SubParsersAction, handler: Handler) -> None:
     cmp = sub.add_parser(
         "compare",
         help="train one problem in every mode, with and without a straggler",
-        description="Train the same problem in every mode without and with one slowed tower; "
-        "print mode, updates, final loss, time to a target loss, staleness and updates/s, and "
-        "write a PNG of loss against wall time. With --link RATE instead: exact sums against "
-        "each compression over a simulated link of RATE, time to a held-out loss.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill(
+            "Train the same problem in every mode without and with one slowed tower; print "
+            "mode, updates, final loss, time to a target loss, staleness and updates/s, and "
+            "write a PNG of loss against wall time. With --link RATE instead: exact sums "
+            "against each compression over a simulated link of RATE, time to a held-out loss.",
+            width=79,
+        ),
+        epilog=options_help("modes (--modes)", MODES.values())
+        + "\n\n"
+        + options_help("compressions (--link compares each)", COMPRESSIONS.values()),
     )
     cmp.add_argument(
         "--problem",
@@ -297,7 +323,7 @@ def _add_compare(sub: argparse._SubParsersAction, handler: Handler) -> None:
     )
     cmp.add_argument(
         "--modes",
-        default="sync,async,ssp:2,local:4,backup:1,diloco:4",
+        default=",".join(cls.typical() for cls in MODES.values()),
         metavar="M[,M...]",
         help=f"comma-separated modes, each one of {_modes()} (default %(default)s)",
     )
@@ -328,7 +354,9 @@ def _add_compare(sub: argparse._SubParsersAction, handler: Handler) -> None:
         "--link",
         default=None,
         metavar="RATE",
-        help="instead: exact sums against each compression over a SIMULATED link of RATE "
+        help="instead: exact sums against each compression ("
+        + ", ".join(cls.typical() for cls in COMPRESSIONS.values())
+        + ") over a SIMULATED link of RATE "
         "(e.g. 100mbit) between the workers: time to a held-out loss on the 28x28 digits MLP "
         "(default: off)",
     )

@@ -1,7 +1,8 @@
 """``towers compare --link 100mbit``: the choice a user faces on a slow link, simulated here.
 
 Trains the 784-1024-1024-10 MLP on the digits upscaled to 28x28 (held-out loss every few
-global batches) with local workers, once per arm: exact sums, then each compression. The link
+global batches) with local workers, once per arm: exact sums, then each registered compression
+(:data:`~towers.engines.transforms.COMPRESSIONS`, at its typical argument). The link
 between the workers is **simulated**, not measured: every worker's sums of gradients wait as
 long as their bytes would take through a link of its own at the given rate (a ring all-reduce
 of n bytes among W workers sends ``2 (W - 1) / W * n`` bytes from each; an all-to-all
@@ -36,6 +37,7 @@ import torch
 from ..api.train import train
 from ..comm.base import Comm, Work
 from ..engines.transforms import (
+    COMPRESSIONS,
     Bucket,
     BucketLayout,
     GradientTransform,
@@ -46,13 +48,16 @@ from .zoo import cross_entropy, digits_flat, mlp
 
 __all__ = ["LINK_ARMS", "OverLink", "SimulatedLink", "compare_link", "parse_rate"]
 
-# Each arm: a label and towers.train's keywords (compress= is wrapped in the simulated link).
+# PowerSGD's steps make less progress than exact ones: it trains this many times the batches
+_LONGER = {"powersgd": 2}
+# Each arm: a label and towers.train's keywords (compress= is wrapped in the simulated link):
+# exact sums, then every registered compression at its typical argument.
 LINK_ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("sync", {}),
-    ("bf16", {"compress": "bf16"}),
-    ("fp16", {"compress": "fp16"}),
-    ("int8", {"compress": "int8"}),
-    ("powersgd:4", {"compress": "powersgd:4", "longer": 2}),
+    *(
+        (c.typical(), {"compress": c.typical(), "longer": _LONGER.get(c.name, 1)})
+        for c in COMPRESSIONS.values()
+    ),
 )
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}

@@ -22,10 +22,10 @@ from typing import Any
 import torch.distributed as dist
 
 from ...comm.base import DistComm, PointToPoint
-from ...comm.group import DEFAULT_TIMEOUT, Connection, check_transport
+from ...comm.group import DEFAULT_TIMEOUT, Connection
 from ...comm.mailbox import ShmPointToPoint
 from ...comm.segment import ShmUnavailable
-from ...core.launch import read_launch
+from ...core.transport import Transport
 from ...processes.env import set_process_name
 from ..broadcast import verify_same_model
 from ..job import EngineResult, Job
@@ -73,13 +73,13 @@ def run_ps(job: Job, conn: Connection, resume: dict[str, Any] | None) -> EngineR
 
 def _messages(job: Job, comm: DistComm, size: int) -> PointToPoint:
     """Shared memory between the server and its workers on one host, else ``comm`` (Gloo)."""
-    transport = check_transport(job.transport, read_launch().transport)
-    if transport not in ("auto", "shm"):
+    transport = job.transport
+    if transport not in (Transport.AUTO, Transport.SHM):
         return comm
     timeout = DEFAULT_TIMEOUT if job.timeout is None else job.timeout
     try:
         return ShmPointToPoint(comm, size, timeout=timeout)
     except ShmUnavailable as exc:
-        if transport == "shm":
+        if transport is Transport.SHM:
             raise RuntimeError(f"transport='shm' is not available: {exc}") from None
         return comm

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ...comm.base import Comm
-from ...core.codecs import CODECS, Codec
+from ...core.codecs import Codec
 from .base import AllReduce, Bucket, BucketLayout, next_state, sum_tail
 
 __all__ = ["CodedSum"]
@@ -43,15 +43,15 @@ def _chunked(x: torch.Tensor, world: int) -> tuple[torch.Tensor, int]:
 
 
 class CodedSum:
-    """The sum over towers with every value encoded by ``codec`` on the wire (module doc)."""
+    """The sum over towers with every value encoded by ``codec`` on the wire (module doc);
+    ``feedback``: carry what the encoding dropped to the next step."""
 
-    def __init__(self, codec: str, feedback: bool = False):
-        self.codec: Codec = CODECS[codec]
+    def __init__(self, codec: Codec, feedback: bool = False):
+        self.codec = codec
         self.feedback = feedback
-        self.name = codec
 
     def __repr__(self) -> str:
-        return self.name
+        return self.codec.name
 
     def init(self, layouts: Sequence[BucketLayout]) -> dict[str, Any]:
         """No residual yet (``None``: zeros of the right length, made at first use)."""
