@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import multiprocessing.connection
 import os
-import pickle
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,12 +34,11 @@ from ..comm.membership import key
 from ..comm.net import DEFAULT_ADDR, free_port, is_loopback
 from ..comm.rendezvous import choose_interface
 from ..comm.store import get_signed, host_store, job_store, put_signed
-from ..core.launch import ELASTIC
 from ..core.secret import JobSecret, new_secret
-from .env import cpu_count, describe_exit, worker_env
-from .lifeline import die_with_parent
+from .elastic_workers import Forked, Starter, Worker, script_starter
+from .env import worker_env
 from .pack import pack
-from .spawn import WorkerError, _context, _failure, _worker_main
+from .spawn import WorkerError, _context, _worker_main
 
 __all__ = ["HANG_SECONDS", "ElasticOutcome", "run_script_elastic", "supervise"]
 
@@ -75,41 +72,10 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-class _Forked:
-    """A worker forked by :mod:`multiprocessing` that reports its result through a pipe."""
-
-    def __init__(self, proc: Any, conn: multiprocessing.connection.Connection):
-        self.proc, self.conn = proc, conn
-        self.pid = proc.pid
-
-    def waitables(self) -> list[Any]:
-        return [self.conn, self.proc.sentinel]
-
-    def outcome(self, ready: list[Any]) -> tuple[str, list[Any]] | None:
-        """``("ok", [result])``, ``("error", [exc, traceback])``, ``("died", [])`` or ``None``."""
-        if self.conn in ready or (self.proc.sentinel in ready and self.conn.poll()):
-            try:
-                status, *rest = pickle.loads(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                return "died", []
-            return status, rest
-        if self.proc.sentinel in ready:
-            return "died", []
-        return None
-
-    def failure(self, wid: int, rest: list[Any]) -> BaseException:
-        return _failure(wid, self.proc, "error", rest)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join()
-        self.conn.close()
-
-
 class _Supervisor:
     def __init__(
         self,
-        start: Callable[[int, bool, dict[str, str]], Any],
+        start: Starter,
         workers: int,
         max_restarts: int,
         hang: float,
@@ -128,7 +94,7 @@ class _Supervisor:
 
     def _setup(
         self,
-        start: Callable[[int, bool, dict[str, str]], Any],
+        start: Starter,
         workers: int,
         max_restarts: int,
         hang: float,
@@ -142,7 +108,7 @@ class _Supervisor:
         # The workers get the job's secret in their environment; it signs the records here.
         self.secret_text = secret
         self.secret = None if secret is None else JobSecret(secret)
-        self.procs: dict[int, Any] = {}
+        self.procs: dict[int, Worker] = {}
         self.generations: dict[int, list[int]] = {}
         self.marked: set[int] = set()  # generations announced as failed
         self.waiting: set[int] = set()  # replacements not yet let in
@@ -314,61 +280,19 @@ def supervise(
     ctx = _context()
     packed = pack((fn, args))  # one shared buffer for every tensor, for first and replacements
 
-    def start(wid: int, joining: bool, env: dict[str, str]) -> _Forked:
+    def start(wid: int, joining: bool, env: dict[str, str]) -> Forked:
         recv, send = ctx.Pipe(duplex=False)
         # Not daemonic, as in spawn: a worker may start DataLoader processes of its own.
         p = ctx.Process(target=_worker_main, args=(env, send, packed, joining), daemon=False)
         p.start()
         send.close()
-        return _Forked(p, recv)
+        return Forked(p, recv)
 
     sup = _Supervisor(start, workers, max_restarts, hang, addr, timeout)
     try:
         return sup.run()
     finally:
         sup.stop()
-
-
-class _Script:
-    """A worker that runs a script (``towers run --elastic``): exit 0 is done, a signal lost."""
-
-    def __init__(self, proc: subprocess.Popen[bytes]):
-        self.proc = proc
-        self.pid = proc.pid
-
-    def waitables(self) -> list[Any]:
-        return []
-
-    def outcome(self, ready: list[Any]) -> tuple[str, list[Any]] | None:
-        code = self.proc.poll()
-        if code is None:
-            return None
-        if code == 0:
-            return "ok", [None]
-        return ("died", []) if code < 0 else ("error", [code])
-
-    def failure(self, wid: int, rest: list[Any]) -> BaseException:
-        return WorkerError(f"worker {wid} failed with {describe_exit(rest[0])}", wid, rest[0])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-def script_starter(
-    script: str, args: Sequence[str], local_workers: int
-) -> Callable[[int, bool, dict[str, str]], _Script]:
-    """Start ``python SCRIPT ARGS`` as an elastic worker (a replacement if ``joining``)."""
-    threads = str(max(1, cpu_count() // local_workers))
-
-    def start(wid: int, joining: bool, env: dict[str, str]) -> _Script:
-        env = {**env, ELASTIC: "join" if joining else "1"}  # towers run --elastic
-        env.setdefault("OMP_NUM_THREADS", threads)
-        cmd = [sys.executable, script, *args]
-        return _Script(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))
-
-    return start
 
 
 def run_script_elastic(

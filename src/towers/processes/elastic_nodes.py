@@ -37,15 +37,15 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
 from ..comm.membership import WatchedStore, clock, key, open_store
 from ..comm.rendezvous import choose_interface
 from ..comm.store import ForeignJob, get_signed
-from .elastic import HANG_SECONDS, _host_store, _Supervisor, script_starter
+from .elastic import HANG_SECONDS, _host_store, _Supervisor
+from .elastic_workers import Starter, script_starter
 from .env import worker_env
 from .spawn import WorkerError
 
@@ -65,7 +65,7 @@ class _NodeSupervisor(_Supervisor):
 
     def __init__(
         self,
-        start: Callable[[int, bool, dict[str, str]], Any],
+        start: Starter,
         nproc: int,
         nnodes: int,
         node: int,
