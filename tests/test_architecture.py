@@ -1,5 +1,6 @@
 """The package keeps its shape: layers import downwards only, no cycles, small functions and
-modules, a docstring on every module (docs/architecture.md)."""
+modules, a docstring on every module, no subclass that skips its parent's constructor
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -153,3 +154,122 @@ def test_modules_and_functions_stay_small_and_documented():
             if function and _code_lines(node) > MAX_FUNCTION_LINES:
                 problems.append(f"{name}.{node.name}: {_code_lines(node)} lines of code")
     assert not problems, "\n".join(problems)
+
+
+def _class_names(
+    package: Path = PACKAGE,
+) -> tuple[dict[str, dict[str, tuple[str, str]]], dict[tuple[str, str], ast.ClassDef]]:
+    """Each module's names for the package's classes (its own, and those it imports, through
+    re-exports), and every class of the package by ``(module, name)``."""
+    modules = _modules(package)
+    trees = {name: ast.parse(path.read_text()) for name, path in modules.items()}
+    classes = {
+        (m, node.name): node
+        for m, tree in trees.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    }
+    names: dict[str, dict[str, tuple[str, str]]] = {}
+
+    def resolve(module: str, seen: frozenset[str] = frozenset()) -> dict[str, tuple[str, str]]:
+        if module in names:
+            return names[module]
+        found = {n: (m, n) for (m, n) in classes if m == module}
+        package_name = (
+            module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
+        )
+        for node in ast.walk(trees[module]):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                parts = package_name.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            if target not in modules or target in seen:
+                continue
+            theirs = resolve(target, seen | {module})
+            for alias in node.names:
+                if alias.name in theirs:
+                    found[alias.asname or alias.name] = theirs[alias.name]
+        names[module] = found
+        return found
+
+    for module in modules:
+        resolve(module)
+    return names, classes
+
+
+def _init(cls: ast.ClassDef) -> ast.FunctionDef | None:
+    inits = [f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"]
+    return inits[0] if inits else None
+
+
+def _base_name(base: ast.expr) -> str | None:
+    # The package names its bases plainly (``Base``, never ``module.Base``).
+    return base.id if isinstance(base, ast.Name) else None
+
+
+def _skipped_constructors(package: Path = PACKAGE) -> list[str]:
+    """The package's classes whose ``__init__`` does not call their parent's, when one of their
+    ancestors in the package defines one (dataclasses, which write their own, aside)."""
+    names, classes = _class_names(package)
+
+    def parents(module: str, cls: ast.ClassDef) -> list[tuple[str, str]]:
+        known = names[module]
+        return [known[n] for b in cls.bases if (n := _base_name(b)) in known]
+
+    def an_ancestor_has_init(module: str, cls: ast.ClassDef) -> bool:
+        for key in parents(module, cls):
+            parent = classes[key]
+            if _init(parent) is not None or an_ancestor_has_init(key[0], parent):
+                return True
+        return False
+
+    problems = []
+    for (module, name), cls in classes.items():
+        init = _init(cls)
+        decorators = [ast.unparse(d) for d in cls.decorator_list]
+        if init is None or any("dataclass" in d for d in decorators):
+            continue
+        if not an_ancestor_has_init(module, cls):
+            continue
+        bases = {ast.unparse(b) for b in cls.bases}
+        calls = [
+            ast.unparse(c.func.value)
+            for c in ast.walk(init)
+            if isinstance(c, ast.Call)
+            and isinstance(c.func, ast.Attribute)
+            and c.func.attr == "__init__"
+        ]
+        if not any(call == "super()" or call in bases for call in calls):
+            problems.append(f"{module}.{name}")
+    return problems
+
+
+def test_no_subclass_skips_its_parent_s_constructor():
+    """One driver, variation injected (STYLE.md): a subclass that does not run its parent's
+    ``__init__`` depends on how the parent builds itself, without the parent knowing."""
+    problems = _skipped_constructors()
+    assert not problems, "__init__ without the parent's __init__:\n" + "\n".join(problems)
+
+
+def test_a_skipped_constructor_is_found_through_imports(tmp_path):
+    pkg = tmp_path / "towers"
+    (pkg / "processes").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('"""."""\n')
+    (pkg / "processes" / "__init__.py").write_text('"""."""\nfrom .base import Base\n')
+    (pkg / "processes" / "base.py").write_text(
+        '"""."""\nclass Base:\n    def __init__(self):\n        self.x = 1\n\n\n'
+        "class Middle(Base):\n    pass\n"
+    )
+    (pkg / "processes" / "nodes.py").write_text(
+        '"""."""\nfrom dataclasses import dataclass\n\nfrom . import Base\n'
+        "from .base import Middle as M\n\n\n"
+        "class Skips(M):\n    def __init__(self):\n        self.y = 2\n\n\n"
+        "class Calls(Base):\n    def __init__(self):\n        Base.__init__(self)\n\n\n"
+        "class Supers(M):\n    def __init__(self):\n        super().__init__()\n\n\n"
+        "@dataclass\nclass Record(Base):\n    z: int = 0\n"
+    )
+    assert _skipped_constructors(pkg) == ["towers.processes.nodes.Skips"]

@@ -14,9 +14,21 @@ A worker that raises is not lost but wrong: its exception fails the job, as in
 :func:`towers.spawn`. The first worker to return a result ends the job: a worker returns only
 after every member has done every step.
 
-Across hosts (``towers run --elastic --nnodes M``), :mod:`.elastic_nodes` runs one supervisor
-per host over one store, through the hooks ``_tick``, ``_announce``, ``_replace``,
-``_admit`` and ``_dropped``.
+One :class:`Supervisor` serves every elastic job. It watches the workers it started (their
+processes and heartbeats) and kills the lost ones; what that means for the rest of the job
+depends on where the other workers live, which it asks of the :class:`Peers` it is handed:
+
+- :class:`OneHost` (``train(elastic=True)``, ``towers run --elastic``): every worker is this
+  supervisor's; it hosts the store and keeps the generations (:class:`Generations`) itself.
+- :class:`~towers.processes.elastic_nodes.Nodes` (``towers run --elastic --nnodes M``): one
+  supervisor per host over one store; node 0's hosts it and keeps the generations, every
+  node posts its losses and its liveness there.
+
+A ``Peers`` has the job's ``store`` (the supervisor reads the heartbeats there) and answers
+six calls: ``join`` (the workers to start), ``place`` (a worker's environment), ``lost`` (a
+worker of this supervisor was lost: announce it, name its replacement), ``dropped`` (did the
+job drop this worker), ``tick`` (the job-wide work of each watch tick, and which workers to
+stop) and ``busy`` (must the supervisor go on without workers of its own).
 """
 
 from __future__ import annotations
@@ -24,32 +36,68 @@ from __future__ import annotations
 import json
 import multiprocessing.connection
 import os
-import pickle
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ..comm.membership import key
 from ..comm.net import DEFAULT_ADDR, free_port, is_loopback
 from ..comm.rendezvous import choose_interface
 from ..comm.store import get_signed, host_store, job_store, put_signed
-from ..core.launch import ELASTIC
 from ..core.secret import JobSecret, new_secret
-from .env import cpu_count, describe_exit, worker_env
-from .lifeline import die_with_parent
+from .elastic_workers import Forked, Starter, Worker, script_starter
+from .env import worker_env
 from .pack import pack
-from .spawn import WorkerError, _context, _failure, _worker_main
+from .spawn import WorkerError, _context, _worker_main
 
-__all__ = ["HANG_SECONDS", "ElasticOutcome", "run_script_elastic", "supervise"]
+__all__ = [
+    "HANG_SECONDS",
+    "ElasticOutcome",
+    "Generations",
+    "OneHost",
+    "Peers",
+    "Supervisor",
+    "run_script_elastic",
+    "supervise",
+]
 
 # A worker whose heartbeat (every 0.2 s, from a thread) stops this long while its process is
 # stopped (SIGSTOP, a debugger) is hung: it is killed and training goes on without it. A running
 # process whose heartbeat is silent (one long operation holding the GIL) gets the full timeout.
 HANG_SECONDS = 3.0
 _TICK = 0.1
+
+
+class Peers(Protocol):
+    """Where the job's other workers live: what a supervisor's events mean for the job."""
+
+    store: Any  # the job's store: the workers' heartbeats, the membership records
+
+    def join(self, running: Mapping[int, Worker]) -> list[int]:
+        """The ids of the workers to start; ``running``: the supervisor's, as they change."""
+
+    def place(self, wid: int) -> dict[str, str]:
+        """Worker ``wid``'s torchrun environment (its rank, the store, the secret)."""
+
+    def lost(self, wid: int, at: float, replace: bool) -> int | None:
+        """Announce that worker ``wid`` (killed) was lost at wall time ``at``; returns the id of
+        its replacement to start (only if ``replace``, and restarts are left), or ``None``.
+
+        Raises:
+            WorkerError: it was the job's last worker.
+        """
+
+    def dropped(self, wid: int) -> bool:
+        """Whether the job dropped ``wid`` while it ran, so that its error is not its own."""
+
+    def tick(self, finishing: bool) -> list[int]:
+        """Once per watch tick (``finishing``: a worker here has finished, the job is ending):
+        the job-wide work; returns the workers to stop (replacements that will never join)."""
+
+    def busy(self) -> bool:
+        """Whether the supervisor must go on with none of its own workers left."""
 
 
 @dataclass
@@ -75,107 +123,89 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-class _Forked:
-    """A worker forked by :mod:`multiprocessing` that reports its result through a pipe."""
+class Generations:
+    """The members of each generation of the job, kept by the one supervisor that publishes
+    them (signed with the job's secret, so that no process that reaches the store can)."""
 
-    def __init__(self, proc: Any, conn: multiprocessing.connection.Connection):
-        self.proc, self.conn = proc, conn
-        self.pid = proc.pid
-
-    def waitables(self) -> list[Any]:
-        return [self.conn, self.proc.sentinel]
-
-    def outcome(self, ready: list[Any]) -> tuple[str, list[Any]] | None:
-        """``("ok", [result])``, ``("error", [exc, traceback])``, ``("died", [])`` or ``None``."""
-        if self.conn in ready or (self.proc.sentinel in ready and self.conn.poll()):
-            try:
-                status, *rest = pickle.loads(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                return "died", []
-            return status, rest
-        if self.proc.sentinel in ready:
-            return "died", []
-        return None
-
-    def failure(self, wid: int, rest: list[Any]) -> BaseException:
-        return _failure(wid, self.proc, "error", rest)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join()
-        self.conn.close()
-
-
-class _Supervisor:
-    def __init__(
-        self,
-        start: Callable[[int, bool, dict[str, str]], Any],
-        workers: int,
-        max_restarts: int,
-        hang: float,
-        addr: str,
-        timeout: float,
-        port: int | None = None,
-        secret: str | None = None,
-    ):
-        secret = new_secret() if secret is None else secret
-        self._setup(start, workers, max_restarts, hang, addr, timeout, secret)
-        self.port = free_port(addr) if port is None else port
-        self.store = _host_store(addr, self.port, timeout, self.secret)
-        self._publish(list(range(workers)))
-        for wid in range(workers):
-            self._start(wid, joining=False)
-
-    def _setup(
-        self,
-        start: Callable[[int, bool, dict[str, str]], Any],
-        workers: int,
-        max_restarts: int,
-        hang: float,
-        addr: str,
-        timeout: float,
-        secret: str | None,
-    ) -> None:
-        self.start_worker, self.workers = start, workers
-        self.max_restarts, self.hang, self.addr = max_restarts, hang, addr
-        self.timeout = timeout
-        # The workers get the job's secret in their environment; it signs the records here.
-        self.secret_text = secret
-        self.secret = None if secret is None else JobSecret(secret)
-        self.procs: dict[int, Any] = {}
-        self.generations: dict[int, list[int]] = {}
+    def __init__(self, store: Any, secret: JobSecret | None):
+        self.store, self.secret = store, secret
+        self.members: dict[int, list[int]] = {}
         self.marked: set[int] = set()  # generations announced as failed
         self.waiting: set[int] = set()  # replacements not yet let in
         self.admitted: dict[int, int] = {}  # replacement -> the generation it was let into
-        self.finishing = False  # a worker has finished: the job is ending
-        self.beats: dict[int, tuple[int, float]] = {}  # id -> (count, when it last changed)
-        self.outcome = ElasticOutcome(None)
-        self.next_id = workers
 
-    def _publish(self, members: list[int]) -> int:
-        g = len(self.generations)
-        self.generations[g] = members
+    @property
+    def latest(self) -> list[int]:
+        return self.members[len(self.members) - 1]
+
+    def publish(self, members: list[int]) -> int:
+        g = len(self.members)
+        self.members[g] = members
         put_signed(self.store, self.secret, key(g, "members"), json.dumps(members))
         return g
 
+    def drop(self, wid: int, at: float) -> None:
+        """Mark the generations ``wid`` was in as failed and publish the next without it."""
+        if wid in self.waiting:
+            self.waiting.discard(wid)
+            return
+        info = json.dumps({"dead": [wid], "at": at})
+        for g, members in self.members.items():
+            if wid in members and g not in self.marked:
+                put_signed(self.store, self.secret, key(g, "failed"), info)
+                self.marked.add(g)
+        if wid in self.latest:
+            survivors = [m for m in self.latest if m != wid]
+            if not survivors:
+                raise WorkerError(
+                    f"every worker of the elastic job was lost (the last: worker {wid}); "
+                    "nothing is left to resume from: use checkpoint= to keep the progress "
+                    "on disk",
+                    wid,
+                )
+            self.publish(survivors)
+
+    def admit(self) -> None:
+        """Let each built replacement into the next generation, at the members' next step."""
+        for wid in sorted(self.waiting):
+            if get_signed(self.store, self.secret, f"ready/{wid}") is None:
+                continue
+            self.waiting.discard(wid)
+            current = len(self.members) - 1
+            g = self.publish([*self.members[current], wid])
+            self.admitted[wid] = g
+            put_signed(self.store, self.secret, f"join/{wid}", str(g))
+            put_signed(self.store, self.secret, key(current, "regroup"), "1")
+
+
+class Supervisor:
+    """Watches the workers it starts; ``peers`` says what their losses mean for the job.
+
+    Args:
+        peers: where the job's workers live (:class:`OneHost`, or one node of several).
+        start: ``start(wid, joining, env)`` starts worker ``wid`` (a replacement if
+            ``joining``) with environment ``env``.
+        hang: seconds of a stopped process's silent heartbeat that make it lost.
+        timeout: seconds of silent heartbeat that make any worker lost.
+    """
+
+    def __init__(self, peers: Peers, start: Starter, hang: float, timeout: float):
+        self.peers, self.start_worker = peers, start
+        self.hang, self.timeout = hang, timeout
+        self.procs: dict[int, Worker] = {}
+        self.finishing = False  # a worker has finished: the job is ending
+        self.beats: dict[int, tuple[int, float]] = {}  # id -> (count, when it last changed)
+        self.outcome = ElasticOutcome(None)
+        for wid in peers.join(self.procs):
+            self._start(wid, joining=False)
+
     def _start(self, wid: int, joining: bool) -> None:
-        place = worker_env(wid, self.workers, self.addr, self.port, secret=self.secret_text)
-        env = {**os.environ, **place}
+        env = {**os.environ, **self.peers.place(wid)}
         self.procs[wid] = self.start_worker(wid, joining, env)
-
-    def _active(self) -> bool:
-        return bool(self.procs)
-
-    def _tick(self) -> None:
-        """Once per watch tick: nothing on one host (see :mod:`.elastic_nodes`)."""
-
-    def _dropped(self, wid: int) -> bool:
-        """Whether the job dropped ``wid`` while it ran: never on one host (it is killed first)."""
-        return False
 
     def run(self, until_all: bool = False) -> ElasticOutcome:
         """Supervise until a worker returns a result (``until_all``: until every one has)."""
-        while self._active():
+        while self.procs or self.peers.busy():
             waits = [w for handle in self.procs.values() for w in handle.waitables()]
             if waits:
                 ready = multiprocessing.connection.wait(waits, timeout=_TICK)
@@ -187,7 +217,7 @@ class _Supervisor:
                 if seen is None:
                     continue
                 status, rest = seen
-                if status == "error" and self._dropped(wid):
+                if status == "error" and self.peers.dropped(wid):
                     # The job declared it lost (its node fell silent) and trains on without
                     # it; it said so and stopped: not a bug of its own.
                     self.procs.pop(wid).kill()
@@ -205,28 +235,16 @@ class _Supervisor:
                 else:
                     self._lost(wid, time.time())
             self._watch_heartbeats()
-            self._tick()
-            if self.finishing:
-                self._dismiss_latecomers()
-            else:
-                self._admit()
-        return self.outcome
-
-    def _dismiss_latecomers(self) -> None:
-        """Stop replacements that the finished members will never take in."""
-        for wid in list(self.waiting) + list(self.admitted):
-            g = self.admitted.get(wid)
-            formed = g is not None and self.store.add(key(g, "here"), 0) >= len(self.generations[g])
-            if wid in self.procs and not formed:
+            for wid in self.peers.tick(self.finishing):
                 self.procs.pop(wid).kill()
-                self.waiting.discard(wid)
-                self.admitted.pop(wid, None)
+        return self.outcome
 
     def _watch_heartbeats(self) -> None:
         now = time.monotonic()
+        store = self.peers.store
         for wid in list(self.procs):
-            count = self.store.add(f"hb/{wid}", 0)
-            if count == 0 or self.store.check([f"left/{wid}"]):
+            count = store.add(f"hb/{wid}", 0)
+            if count == 0 or store.check([f"left/{wid}"]):
                 continue  # not connected yet, or done: its process is watched
             seen = self.beats.get(wid)
             if seen is None or seen[0] != count:
@@ -241,53 +259,80 @@ class _Supervisor:
         self.procs.pop(wid).kill()
         self.beats.pop(wid, None)
         self.outcome.dead.append(wid)
-        self._announce(wid, at)
-        self._replace(wid)
-
-    def _announce(self, wid: int, at: float) -> None:
-        """Mark the generations ``wid`` was in as failed and publish the next without it."""
-        if wid in self.waiting:
-            self.waiting.discard(wid)
-        else:
-            info = json.dumps({"dead": [wid], "at": at})
-            for g, members in self.generations.items():
-                if wid in members and g not in self.marked:
-                    put_signed(self.store, self.secret, key(g, "failed"), info)
-                    self.marked.add(g)
-            latest = self.generations[len(self.generations) - 1]
-            if wid in latest:
-                survivors = [m for m in latest if m != wid]
-                if not survivors:
-                    raise WorkerError(
-                        f"every worker of the elastic job was lost (the last: worker {wid}); "
-                        "nothing is left to resume from: use checkpoint= to keep the progress "
-                        "on disk",
-                        wid,
-                    )
-                self._publish(survivors)
-
-    def _replace(self, wid: int) -> None:
-        if self.outcome.replacements < self.max_restarts and not self.finishing:
+        new = self.peers.lost(wid, at, replace=not self.finishing)
+        if new is not None:
             self.outcome.replacements += 1
-            self.waiting.add(self.next_id)
-            self._start(self.next_id, joining=True)
-            self.next_id += 1
-
-    def _admit(self) -> None:
-        """Let each built replacement into the next generation, at the members' next step."""
-        for wid in sorted(self.waiting):
-            if get_signed(self.store, self.secret, f"ready/{wid}") is None:
-                continue
-            self.waiting.discard(wid)
-            current = len(self.generations) - 1
-            g = self._publish([*self.generations[current], wid])
-            self.admitted[wid] = g
-            put_signed(self.store, self.secret, f"join/{wid}", str(g))
-            put_signed(self.store, self.secret, key(current, "regroup"), "1")
+            self._start(new, joining=True)
 
     def stop(self) -> None:
         for handle in self.procs.values():
             handle.kill()
+
+
+class OneHost:
+    """Every worker of the job is this supervisor's: it hosts the job's store on ``addr`` (a
+    free port unless ``port``), keeps the generations, and starts up to ``max_restarts``
+    replacements, with the next free ids. ``secret``: the job's (a fresh one by default)."""
+
+    def __init__(
+        self,
+        workers: int,
+        max_restarts: int,
+        addr: str,
+        timeout: float,
+        port: int | None = None,
+        secret: str | None = None,
+    ):
+        self.workers, self.max_restarts, self.addr = workers, max_restarts, addr
+        # The workers get the job's secret in their environment; it signs the records here.
+        self.secret = new_secret() if secret is None else secret
+        signer = JobSecret(self.secret)
+        self.port = free_port(addr) if port is None else port
+        self.store = _host_store(addr, self.port, timeout, signer)
+        self.generations = Generations(self.store, signer)
+        self.generations.publish(list(range(workers)))
+        self.restarts, self.next_id = 0, workers
+        self.running: Mapping[int, Worker] = {}
+
+    def join(self, running: Mapping[int, Worker]) -> list[int]:
+        self.running = running
+        return list(range(self.workers))
+
+    def place(self, wid: int) -> dict[str, str]:
+        return worker_env(wid, self.workers, self.addr, self.port, secret=self.secret)
+
+    def lost(self, wid: int, at: float, replace: bool) -> int | None:
+        self.generations.drop(wid, at)
+        if not replace or self.restarts >= self.max_restarts:
+            return None
+        self.restarts += 1
+        new, self.next_id = self.next_id, self.next_id + 1
+        self.generations.waiting.add(new)
+        return new
+
+    def dropped(self, wid: int) -> bool:
+        return False  # on one host a lost worker is killed before the job goes on
+
+    def tick(self, finishing: bool) -> list[int]:
+        if not finishing:
+            self.generations.admit()
+            return []
+        return self._latecomers()
+
+    def _latecomers(self) -> list[int]:
+        """Replacements that the finished members will never take in."""
+        gens, stop = self.generations, []
+        for wid in list(gens.waiting) + list(gens.admitted):
+            g = gens.admitted.get(wid)
+            formed = g is not None and self.store.add(key(g, "here"), 0) >= len(gens.members[g])
+            if wid in self.running and not formed:
+                stop.append(wid)
+                gens.waiting.discard(wid)
+                gens.admitted.pop(wid, None)
+        return stop
+
+    def busy(self) -> bool:
+        return False
 
 
 def supervise(
@@ -314,61 +359,19 @@ def supervise(
     ctx = _context()
     packed = pack((fn, args))  # one shared buffer for every tensor, for first and replacements
 
-    def start(wid: int, joining: bool, env: dict[str, str]) -> _Forked:
+    def start(wid: int, joining: bool, env: dict[str, str]) -> Forked:
         recv, send = ctx.Pipe(duplex=False)
         # Not daemonic, as in spawn: a worker may start DataLoader processes of its own.
         p = ctx.Process(target=_worker_main, args=(env, send, packed, joining), daemon=False)
         p.start()
         send.close()
-        return _Forked(p, recv)
+        return Forked(p, recv)
 
-    sup = _Supervisor(start, workers, max_restarts, hang, addr, timeout)
+    sup = Supervisor(OneHost(workers, max_restarts, addr, timeout), start, hang, timeout)
     try:
         return sup.run()
     finally:
         sup.stop()
-
-
-class _Script:
-    """A worker that runs a script (``towers run --elastic``): exit 0 is done, a signal lost."""
-
-    def __init__(self, proc: subprocess.Popen[bytes]):
-        self.proc = proc
-        self.pid = proc.pid
-
-    def waitables(self) -> list[Any]:
-        return []
-
-    def outcome(self, ready: list[Any]) -> tuple[str, list[Any]] | None:
-        code = self.proc.poll()
-        if code is None:
-            return None
-        if code == 0:
-            return "ok", [None]
-        return ("died", []) if code < 0 else ("error", [code])
-
-    def failure(self, wid: int, rest: list[Any]) -> BaseException:
-        return WorkerError(f"worker {wid} failed with {describe_exit(rest[0])}", wid, rest[0])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-def script_starter(
-    script: str, args: Sequence[str], local_workers: int
-) -> Callable[[int, bool, dict[str, str]], _Script]:
-    """Start ``python SCRIPT ARGS`` as an elastic worker (a replacement if ``joining``)."""
-    threads = str(max(1, cpu_count() // local_workers))
-
-    def start(wid: int, joining: bool, env: dict[str, str]) -> _Script:
-        env = {**env, ELASTIC: "join" if joining else "1"}  # towers run --elastic
-        env.setdefault("OMP_NUM_THREADS", threads)
-        cmd = [sys.executable, script, *args]
-        return _Script(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))
-
-    return start
 
 
 def run_script_elastic(
@@ -395,7 +398,8 @@ def run_script_elastic(
     start = script_starter(script, args, workers)
     hang = min(HANG_SECONDS, timeout)
     try:
-        sup = _Supervisor(start, workers, max_restarts, hang, addr, timeout, port, secret)
+        peers = OneHost(workers, max_restarts, addr, timeout, port, secret)
+        sup = Supervisor(peers, start, hang, timeout)
     except OSError as exc:  # the port is taken, or addr is not this host's
         print(f"towers run: {exc}", file=sys.stderr)
         return 1

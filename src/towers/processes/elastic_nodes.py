@@ -5,7 +5,9 @@ workers on each of M nodes; worker ids (first ranks) are ``R * N + local rank``.
 launcher hosts the job's store on ``A:P`` (bound to that address only) and keeps the
 generations (:mod:`towers.comm.membership`); every launcher supervises its own workers as on
 one host (process, heartbeat, a replacement for each of its own lost workers), and tells node
-0 of a loss through the store:
+0 of a loss through the store. The launcher is the one elastic supervisor
+(:class:`~towers.processes.elastic.Supervisor`), handed :class:`Nodes` as its peers; the
+store's keys:
 
 - ``notices`` / ``notice/<n>``: the n-th loss (a worker id and when), posted by the node that
   killed it; node 0 marks the generations it was in as failed and publishes the next one.
@@ -37,19 +39,20 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
 from ..comm.membership import WatchedStore, clock, key, open_store
 from ..comm.rendezvous import choose_interface
 from ..comm.store import ForeignJob, get_signed
-from .elastic import HANG_SECONDS, _host_store, _Supervisor, script_starter
+from ..core.secret import JobSecret
+from .elastic import HANG_SECONDS, Generations, Supervisor, _host_store
+from .elastic_workers import Worker, script_starter
 from .env import worker_env
 from .spawn import WorkerError
 
-__all__ = ["NODE_HANG", "NodeDropped", "run_script_nodes"]
+__all__ = ["NODE_HANG", "NodeDropped", "Nodes", "run_script_nodes"]
 
 # A launcher ticks every 0.1 s; one silent this long is lost, with its node's workers.
 NODE_HANG = 5.0
@@ -60,12 +63,12 @@ class NodeDropped(Exception):
     goes on."""
 
 
-class _NodeSupervisor(_Supervisor):
-    """One node's launcher; node 0's also keeps the generations. See the module doc."""
+class Nodes:
+    """Where the peers of one node's supervisor live: on every node, over one store (see the
+    module doc). Node 0's hosts the store and keeps the generations."""
 
     def __init__(
         self,
-        start: Callable[[int, bool, dict[str, str]], Any],
         nproc: int,
         nnodes: int,
         node: int,
@@ -75,18 +78,23 @@ class _NodeSupervisor(_Supervisor):
         timeout: float,
         secret: str | None = None,
     ):
-        world = nproc * nnodes
-        hang = min(HANG_SECONDS, timeout)
-        self._setup(start, world, max_restarts, hang, addr, timeout, secret)
-        self.nproc, self.nnodes, self.node, self.port = nproc, nnodes, node, port
+        self.nproc, self.nnodes, self.node = nproc, nnodes, node
+        self.workers, self.max_restarts = nproc * nnodes, max_restarts
+        self.addr, self.port, self.timeout = addr, port, timeout
+        self.secret = secret  # the workers get it; it signs the membership records
+        self.signer = signer = None if secret is None else JobSecret(secret)
+        self.running: Mapping[int, Worker] = {}
         self.coordinator = node == 0
         if self.coordinator:
-            self.store = _host_store(addr, port, timeout, self.secret)
+            self.store = _host_store(addr, port, timeout, signer)
         else:  # refused at once if node 0's store is another job's, or has another secret
-            store = open_store(addr, port, timeout, self.secret)
-            self.store = WatchedStore(store, timeout, self._cut_off)
-        self.local_rank: dict[int, int] = {}
+            self.store = WatchedStore(
+                open_store(addr, port, timeout, signer), timeout, self._cut_off
+            )
+        self.generations = Generations(self.store, signer)  # kept by node 0 only
+        self.local_rank = {node * nproc + local: local for local in range(nproc)}
         self.local_new: set[int] = set()  # this node's replacements
+        self.finishing = False  # a worker has finished, here or on another node
         self.seen = 0  # notices read (node 0)
         self.gone: set[int] = set()  # every worker lost, job-wide (node 0)
         self.node_beats: dict[int, tuple[int, float]] = {}
@@ -95,11 +103,11 @@ class _NodeSupervisor(_Supervisor):
         self.launched = time.monotonic()
         self._same_width()
         if self.coordinator:
-            self._publish(list(range(world)))
-        for local in range(nproc):
-            wid = node * nproc + local
-            self.local_rank[wid] = local
-            self._start(wid, joining=False)
+            self.generations.publish(list(range(self.workers)))
+
+    def join(self, running: Mapping[int, Worker]) -> list[int]:
+        self.running = running
+        return list(self.local_rank)
 
     def _same_width(self) -> None:
         """Every node must start as many workers as node 0 (worker ids depend on it)."""
@@ -116,11 +124,11 @@ class _NodeSupervisor(_Supervisor):
     def _cut_off(self, since: float) -> None:
         """Node 0's store has not answered for the timeout: stop this node's workers, and exit.
 
-        Called on the store's watch thread while this one waits for an answer that may never
-        come, so it ends the process itself.
+        Called on the store's watch thread while the supervisor waits for an answer that may
+        never come, so it ends the process itself.
         """
-        workers = sorted(self.procs)
-        for handle in list(self.procs.values()):
+        workers = sorted(self.running)
+        for handle in list(self.running.values()):
             with contextlib.suppress(OSError):
                 os.kill(handle.pid, signal.SIGKILL)
         print(
@@ -134,11 +142,11 @@ class _NodeSupervisor(_Supervisor):
         )
         os._exit(1)
 
-    def _dropped(self, wid: int) -> bool:
+    def dropped(self, wid: int) -> bool:
         return bool(self.store.check([f"lost/{wid}"]))
 
-    def _start(self, wid: int, joining: bool) -> None:
-        place = worker_env(
+    def place(self, wid: int) -> dict[str, str]:
+        return worker_env(
             wid,
             self.workers,
             self.addr,
@@ -147,19 +155,27 @@ class _NodeSupervisor(_Supervisor):
             local_world_size=self.nproc,
             group_rank=self.node,
             group_world_size=self.nnodes,
-            secret=self.secret_text,
+            secret=self.secret,
         )
-        env = {**os.environ, **place}
-        self.procs[wid] = self.start_worker(wid, joining, env)
 
-    def _active(self) -> bool:
-        return bool(self.procs) or (self.coordinator and len(self.nodes_done) < self.nnodes)
+    def busy(self) -> bool:
+        return self.coordinator and len(self.nodes_done) < self.nnodes
 
-    def _announce(self, wid: int, at: float) -> None:
+    def lost(self, wid: int, at: float, replace: bool) -> int | None:
         n = self.store.add("notices", 1)
         self.store.set(f"notice/{n}", json.dumps({"dead": wid, "at": at}))
         if self.coordinator:
             self._read_notices()
+        if not replace or self.finishing:
+            return None
+        n = self.store.add("restarts", 1)
+        if n > self.max_restarts:
+            return None
+        new = self.workers + n - 1
+        self.store.set(f"node_of/{new}", str(self.node))
+        self.local_rank[new] = self.local_rank[wid]
+        self.local_new.add(new)
+        return new
 
     def _read_notices(self) -> None:
         total = self.store.add("notices", 0)
@@ -176,55 +192,43 @@ class _NodeSupervisor(_Supervisor):
             self.gone.add(wid)
             if why:  # it may still run: tell it, before it can see the generation without it
                 self.store.set(f"lost/{wid}", json.dumps({"at": at, "why": why}))
-            super()._announce(wid, at)
-
-    def _replace(self, wid: int) -> None:
-        if self.finishing:
-            return
-        n = self.store.add("restarts", 1)
-        if n > self.max_restarts:
-            return
-        new = self.workers + n - 1
-        self.store.set(f"node_of/{new}", str(self.node))
-        self.local_rank[new] = self.local_rank[wid]
-        self.local_new.add(new)
-        self.outcome.replacements += 1
-        self._start(new, joining=True)
+            self.generations.drop(wid, at)
 
     def _admit(self) -> None:
-        if not self.coordinator:
-            return
         started = min(self.store.add("restarts", 0), self.max_restarts)
         for new in range(self.workers, self.workers + started):
-            if new not in self.admitted and new not in self.gone:
-                self.waiting.add(new)
-        super()._admit()
+            if new not in self.generations.admitted and new not in self.gone:
+                self.generations.waiting.add(new)
+        self.generations.admit()
 
-    def _dismiss_latecomers(self) -> None:
-        """Stop this node's replacements that the finished members will never take in."""
-        for wid in sorted(self.local_new & set(self.procs)):
+    def _latecomers(self) -> list[int]:
+        """This node's replacements that the finished members will never take in."""
+        stop = []
+        for wid in sorted(self.local_new & set(self.running)):
             formed = False
-            joined = get_signed(self.store, self.secret, f"join/{wid}")
+            joined = get_signed(self.store, self.signer, f"join/{wid}")
             if joined is not None:
                 g = int(joined)
-                members = json.loads(get_signed(self.store, self.secret, key(g, "members")) or "[]")
-                formed = self.store.add(key(g, "here"), 0) >= len(members)
+                record = get_signed(self.store, self.signer, key(g, "members"))
+                formed = self.store.add(key(g, "here"), 0) >= len(json.loads(record or "[]"))
             if not formed:
-                self.procs.pop(wid).kill()
+                stop.append(wid)
+        return stop
 
     def _tell(self, name: str) -> None:
         if name not in self.told:
             self.store.set(name, "1")
             self.told.add(name)
 
-    def _tick(self) -> None:
+    def tick(self, finishing: bool) -> list[int]:
+        self.finishing = self.finishing or finishing
         if not self.coordinator and self.store.check([f"node/{self.node}/dropped"]):
             info = json.loads(self.store.get(f"node/{self.node}/dropped"))
             raise NodeDropped(
                 f"this node (host {socket.gethostname()}) was dropped from the job at "
                 f"{clock(info['at'])}: node 0 heard nothing from its towers run for "
                 f"{info['silent']:g} s (a network partition, or this host stalled). Its workers "
-                f"{sorted(self.procs)} are stopped; the others train on without them"
+                f"{sorted(self.running)} are stopped; the others train on without them"
             )
         self.store.add(f"node/{self.node}/beat", 1)
         if self.finishing:
@@ -234,11 +238,16 @@ class _NodeSupervisor(_Supervisor):
         if self.store.check(["abort"]):
             info = json.loads(self.store.get("abort"))
             raise WorkerError(f"node {info['node']}: {info['error']}", -1, info["code"])
-        if not self.procs:
+        if not self.running:
             self._tell(f"node/{self.node}/done")
         if self.coordinator:
             self._read_notices()
             self._watch_nodes()
+        if self.finishing:
+            return self._latecomers()
+        if self.coordinator:
+            self._admit()
+        return []
 
     def _watch_nodes(self) -> None:
         now = time.monotonic()
@@ -274,8 +283,8 @@ class _NodeSupervisor(_Supervisor):
     def _node_lost(self, r: int, at: float) -> None:
         """Node ``r``'s launcher is silent: its workers are lost (they die with it)."""
         self.nodes_done.add(r)
-        latest = self.generations[len(self.generations) - 1]
-        lost = [w for w in sorted(set(latest) | self.waiting) if self._node_of(w) == r]
+        latest, waiting = self.generations.latest, self.generations.waiting
+        lost = [w for w in sorted(set(latest) | waiting) if self._node_of(w) == r]
         print(
             f"towers run: node {r}'s launcher has been silent for {NODE_HANG:g} s; its "
             f"workers {lost} are lost",
@@ -317,18 +326,20 @@ def run_script_nodes(
     choose_interface(addr, "gloo")  # the workers inherit GLOO_SOCKET_IFNAME
     start = script_starter(script, args, nproc)
     where = f"node {node_rank}"
-    sup: _NodeSupervisor | None = None
+    nodes: Nodes | None = None
+    sup: Supervisor | None = None
     place = (nproc, nnodes, node_rank, max_restarts, addr, port, timeout, secret)
     try:
-        sup = _NodeSupervisor(start, *place)
+        nodes = Nodes(*place)
+        sup = Supervisor(nodes, start, min(HANG_SECONDS, timeout), timeout)
         outcome = sup.run(until_all=True)
     except NodeDropped as exc:
         print(f"towers run ({where}): {exc}", file=sys.stderr)
         return 1
     except WorkerError as exc:
-        if sup is not None:
+        if nodes is not None:
             with contextlib.suppress(dist.DistError):
-                sup.fail(exc)
+                nodes.fail(exc)
         print(f"towers run ({where}): {exc}", file=sys.stderr)
         code = exc.exitcode or 1
         return code if code > 0 else 128 - code
@@ -351,10 +362,10 @@ def run_script_nodes(
     finally:
         if sup is not None:
             sup.stop()
-    if sup.coordinator and sup.gone:
-        replaced = min(sup.store.add("restarts", 0), max_restarts)
+    if nodes.coordinator and nodes.gone:
+        replaced = min(nodes.store.add("restarts", 0), max_restarts)
         print(
-            f"towers run: workers {sorted(sup.gone)} were lost, {replaced} replaced; the others "
+            f"towers run: workers {sorted(nodes.gone)} were lost, {replaced} replaced; the others "
             "trained on",
             file=sys.stderr,
         )

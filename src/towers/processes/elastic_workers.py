@@ -1,0 +1,115 @@
+"""The workers an elastic supervisor watches (:mod:`.elastic`): forked, or a script.
+
+``train(elastic=True)`` forks its workers (:class:`Forked`), which send their result or their
+exception back through a pipe; ``towers run --elastic`` starts ``python SCRIPT`` (:class:`Script`),
+whose exit code is all it says. The supervisor treats both alike through :class:`Worker`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import pickle
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from ..core.launch import ELASTIC
+from .env import cpu_count, describe_exit
+from .lifeline import die_with_parent
+from .spawn import WorkerError, _failure
+
+__all__ = ["Forked", "Script", "Starter", "Worker", "script_starter"]
+
+
+class Worker(Protocol):
+    """One worker process as the supervisor watches it."""
+
+    pid: int
+
+    def waitables(self) -> list[Any]:
+        """What :func:`multiprocessing.connection.wait` can wait on for it (may be none)."""
+
+    def outcome(self, ready: list[Any]) -> tuple[str, list[Any]] | None:
+        """``("ok", [result])``, ``("error", [...])``, ``("died", [])``, or ``None`` (running)."""
+
+    def failure(self, wid: int, rest: list[Any]) -> BaseException:
+        """The error that fails the job, from an ``"error"`` outcome."""
+
+    def kill(self) -> None:
+        """Kill it, and reap it."""
+
+
+# start(wid, joining, env): worker wid (a replacement if joining) with environment env.
+Starter = Callable[[int, bool, dict[str, str]], Worker]
+
+
+class Forked:
+    """A worker forked by :mod:`multiprocessing` that reports its result through a pipe."""
+
+    def __init__(self, proc: Any, conn: multiprocessing.connection.Connection):
+        self.proc, self.conn = proc, conn
+        self.pid = proc.pid
+
+    def waitables(self) -> list[Any]:
+        return [self.conn, self.proc.sentinel]
+
+    def outcome(self, ready: list[Any]) -> tuple[str, list[Any]] | None:
+        """``("ok", [result])``, ``("error", [exc, traceback])``, ``("died", [])`` or ``None``."""
+        if self.conn in ready or (self.proc.sentinel in ready and self.conn.poll()):
+            try:
+                status, *rest = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return "died", []
+            return status, rest
+        if self.proc.sentinel in ready:
+            return "died", []
+        return None
+
+    def failure(self, wid: int, rest: list[Any]) -> BaseException:
+        return _failure(wid, self.proc, "error", rest)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+
+
+class Script:
+    """A worker that runs a script (``towers run --elastic``): exit 0 is done, a signal lost."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]):
+        self.proc = proc
+        self.pid = proc.pid
+
+    def waitables(self) -> list[Any]:
+        return []
+
+    def outcome(self, ready: list[Any]) -> tuple[str, list[Any]] | None:
+        code = self.proc.poll()
+        if code is None:
+            return None
+        if code == 0:
+            return "ok", [None]
+        return ("died", []) if code < 0 else ("error", [code])
+
+    def failure(self, wid: int, rest: list[Any]) -> BaseException:
+        return WorkerError(f"worker {wid} failed with {describe_exit(rest[0])}", wid, rest[0])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def script_starter(script: str, args: Sequence[str], local_workers: int) -> Starter:
+    """Start ``python SCRIPT ARGS`` as an elastic worker (a replacement if ``joining``)."""
+    threads = str(max(1, cpu_count() // local_workers))
+
+    def start(wid: int, joining: bool, env: dict[str, str]) -> Script:
+        env = {**env, ELASTIC: "join" if joining else "1"}  # towers run --elastic
+        env.setdefault("OMP_NUM_THREADS", threads)
+        cmd = [sys.executable, script, *args]
+        return Script(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))
+
+    return start
