@@ -1,4 +1,5 @@
-"""A memory cgroup of its own for one test: a small limit, so that the kernel's OOM killer acts.
+"""Cgroups of a test's own: a memory limit, so that the kernel's OOM killer acts, or a cpu cap, so
+that a worker is really slow.
 
 ``memory_cgroup(limit)`` makes a child of this process's memory cgroup (cgroup v2, or v1's
 memory controller) with that limit and yields its directory; a command started as
@@ -66,3 +67,41 @@ def memory_cgroup(limit: int) -> Iterator[Path]:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def cpu_cgroup(share: float, period_us: int = 10_000) -> Iterator[Path]:
+    """A child cpu cgroup (v1's cpu controller) capped at ``share`` of one core:
+    ``cpu.cfs_quota_us`` over a ``period_us`` period. A process moves itself in with
+    :func:`join_cgroup`. Skipped where none can be made."""
+    root = Path("/sys/fs/cgroup/cpu")
+    if os.geteuid() != 0:
+        pytest.skip("a cpu cgroup needs root")
+    if not (root / "cpu.cfs_quota_us").exists():
+        pytest.skip("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
+    child = root / f"towers-test-{secrets.token_hex(3)}"
+    try:
+        child.mkdir()
+        (child / "cpu.cfs_period_us").write_text(str(period_us))
+        (child / "cpu.cfs_quota_us").write_text(str(max(1000, round(share * period_us))))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            child.rmdir()
+        pytest.skip(f"cannot make a cpu cgroup here: {exc}")
+    try:
+        yield child
+    finally:
+        deadline = time.monotonic() + 10
+        while True:  # its processes may take a moment to be gone
+            try:
+                child.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def join_cgroup(cgroup: Path | str) -> None:
+    """Move this process, every thread of it, into ``cgroup``."""
+    Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))

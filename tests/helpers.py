@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from towers import split
+from towers.core.split import cut
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -59,10 +60,12 @@ def reference_loop(
     shuffle: bool = True,
     loss_fn=mse,
     towers: int | None = None,
+    shards: list[list[int]] | None = None,
 ):
     """A plain loop over DataLoader batches; skips a step whose loss or gradient isn't finite.
 
-    Returns (losses, per-tower losses of the split batch if ``towers`` is given, skipped steps).
+    Returns (losses, per-tower losses of the split batch if ``towers`` is given, skipped steps);
+    ``shards``: each step's split (a ``TrainResult.shards``), instead of ``towers.split``'s.
     """
     dataset = TensorDataset(*data) if isinstance(data, tuple) else data
     loader = DataLoader(
@@ -86,7 +89,11 @@ def reference_loop(
                 tower_losses.append(
                     [
                         loss_fn(model, s).item() if len(s[0]) else math.nan
-                        for s in split(tuple(batch), towers)
+                        for s in (
+                            split(tuple(batch), towers)
+                            if shards is None
+                            else cut(tuple(batch), shards[step])
+                        )
                     ]
                 )
         opt.zero_grad()

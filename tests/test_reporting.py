@@ -91,6 +91,8 @@ def test_tensorboard_scalars_match_the_result(tmp_path):
     assert logged == pytest.approx(result.losses, rel=1e-6)
     per_tower = [e.value for e in events.Scalars("loss/tower_1")]
     assert per_tower == pytest.approx([t[1] for t in result.tower_losses], rel=1e-6)
+    split = [e.value for e in events.Scalars("shard/tower_0")]
+    assert split == [s[0] for s in result.shards] and len(split) == 4
 
 
 def scalars(events, tag: str) -> list[float]:

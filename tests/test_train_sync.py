@@ -58,8 +58,12 @@ def test_sync_matches_single_process_loop(workers, transport):
         lr_schedule=STAIRCASE,
         seed=7,
         towers=workers,
+        shards=result.shards,  # the split the run chose (balanced: each step's own)
     )
     assert skipped == [] and result.skipped == []
+    assert all(
+        sum(s) == n for s, n in zip(result.shards, [10] * 4 + [5] + [10] * 4 + [5] + [10] * 2)
+    )
     assert_close_lists(result.losses, losses)
     for got, expected in zip(result.tower_losses, tower_losses, strict=True):
         assert_close_lists(got, expected)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -31,29 +32,20 @@ from torch import nn
 from ..comm.base import Comm
 from ..comm.hang import calling
 from ..core.agree import BatchStamp, fingerprint, mean_vector, weighted_means
-from ..core.split import batch_size, split
+from ..core.split import batch_size, cut
 from ..core.step import StepResult
 from ..engines.evaluate import combine, evaluate_loop_data
 from ..engines.job import OptimizerFactory
 from ..engines.replica import Replica, check_loss, to_device
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.group import Group
-from ..engines.sync.mode import plan_for
 from ..engines.sync.plan import EveryStep
 from ..engines.sync.state import LastResult, RunState
-from ..engines.syncbn import convert_batchnorm
 from ..engines.transforms import GradientTransform
 from .amp import check_scaler, poison_grads
 from .loop_files import load_loop, save_loop
-from .make import reduction
-from .mistakes import (
-    BACKWARD_IN_DILOCO,
-    BACKWARD_TWICE,
-    refuse_distributed_sampler,
-    refuse_wrapped_model,
-    warn_unsynced_buffers,
-)
-from .validate import averages_buffers, check_mode_options, loop_mode
+from .mistakes import BACKWARD_IN_DILOCO, BACKWARD_TWICE, refuse_distributed_sampler
+from .replicate import prepare
 
 __all__ = ["Context"]
 
@@ -70,10 +62,11 @@ class Context:
         self.local_rank = group.local_rank
         self.device = group.device
         self._last = LastResult()  # the last step's result: a peer's after a regroup
-        # what an elastic group keeps consistent; the user's batches cannot be replayed
+        # the user's batches cannot be replayed: the state agreed on elastic jobs says so
         self._state = RunState(EveryStep(), self._last, joining=group.joining, replays=False)
         self._driver = SyncDriver(group, owner=self._state)
         self._redo = False  # the last step must be trained again (a peer was lost)
+        self._shard_at: float | None = None  # when ctx.shards yielded the current shard
         self._shard_samples: int | None = None
         self._batch: tuple[int, int] | None = None  # the last global batch's size, fingerprint
         self._accumulated = False  # accumulate() ran since the last step
@@ -112,6 +105,7 @@ class Context:
         compress: str | None = None,
         mode: str = "sync",
         outer_optimizer: OptimizerFactory | None = None,
+        balance: bool | None = None,
     ) -> nn.Module:
         """Give every rank rank 0's parameters and buffers, and attach the averaging hooks.
 
@@ -137,28 +131,33 @@ class Context:
                 also the outer step over all towers; call :meth:`end_period` after the loop.
             outer_optimizer: ``"diloco:H"``: ``params -> Optimizer`` for the outer steps;
                 default Nesterov SGD with lr 0.7 and momentum 0.9.
+            balance: :meth:`shards` splits each global batch in proportion to the ranks'
+                measured speed (the time from a shard to its backward); ``None`` (default):
+                wherever that keeps results exact, as ``towers.train``'s ``balance``.
 
         Returns:
             ``model`` itself, moved to :attr:`device`.
         """
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"replicate() needs an nn.Module, got {type(model).__name__}")
-        refuse_wrapped_model(model, "ctx.replicate()")
-        parsed = loop_mode(mode)
-        check_mode_options(parsed, model, sync_batchnorm, self._group.elastic, outer_optimizer)
-        if sync_batchnorm:
-            convert_batchnorm(model, self._group)
-        elif self.world_size > 1 and not averages_buffers(parsed):
-            warn_unsynced_buffers(model, "ctx.replicate(model, sync_batchnorm=True)")
-        transform = reduction(transform, compress, model)
+        ready = prepare(
+            model,
+            self._group,
+            sync_batchnorm=sync_batchnorm,
+            transform=transform,
+            compress=compress,
+            mode=mode,
+            outer_optimizer=outer_optimizer,
+            balance=balance,
+        )
         self._state.replica = Replica(model)
-        self._state.plan = plan_for(parsed, outer_optimizer)
-        self._driver = SyncDriver(self._group, transform, owner=self._state)
+        self._state.plan = ready.plan
+        self._state.balanced(ready.balance)
+        self._driver = SyncDriver(self._group, ready.transform, owner=self._state)
         breaks = self._state.plan.attach(model.to(self.device))
         return self._driver.replicate(model, bucket_bytes, breaks)
 
     def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:
-        """This tower's shard of each global batch (see :func:`towers.split`), on :attr:`device`.
+        """This tower's shard of each global batch, on :attr:`device`: :func:`towers.split`'s,
+        or in proportion to the ranks' speeds where :meth:`replicate` balances.
 
         The shard's sample count is remembered and used by the next :meth:`backward` or
         :meth:`step` as its weight; that step also checks that every rank's global batch had the
@@ -172,9 +171,11 @@ class Context:
                 self._state.catch_up -= 1
                 continue
             while True:
-                shard = split(batch, self.world_size)[self.rank]
+                total = batch_size(batch)
+                shard = cut(batch, self._state.split(total, self.world_size))[self.rank]
                 self._shard_samples = batch_size(shard)
-                self._batch = (batch_size(batch), fingerprint(batch))
+                self._batch = (total, fingerprint(batch))
+                self._shard_at = time.perf_counter()  # the forward and backward start here
                 yield to_device(shard, self.device)
                 if not self._redo:
                     break
@@ -245,6 +246,8 @@ class Context:
             if state.plan.reduces:
                 self._driver.arm()
             self._backward(loss, weight, scaler)
+            if self._shard_at is not None:  # what a balanced split follows
+                self._driver.add(0.0, 0, time.perf_counter() - self._shard_at)
             result = state.plan.step(self._driver, optimizer, state.steps, stamp=stamp)
             state.steps += 1
             self._last.result = result
@@ -255,6 +258,7 @@ class Context:
             result = self._group.attempt(self._driver, one)
         finally:
             self._shard_samples, self._batch, self._accumulated = None, None, False
+            self._shard_at = None
         if result is not None:
             outer = state.exchange(self._group, self._driver, final=False)
             return result if outer is None else outer
@@ -341,10 +345,6 @@ class Context:
             >>> ctx.mean({"loss": loss.item(), "accuracy": acc}, samples=len(y))  # doctest: +SKIP
             {'accuracy': 0.93, 'loss': 0.21}
         """
-        if not isinstance(values, Mapping):
-            raise TypeError(f"ctx.mean() takes a dict of metrics, got {type(values).__name__}")
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         vector = mean_vector(values, samples).to(self.device)
         self.comm.agree_call(f"ctx.mean({sorted(map(str, values))})")
         self.comm.all_reduce_sum(vector).wait()

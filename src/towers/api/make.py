@@ -23,6 +23,7 @@ from ..engines.checkpoint import estimate_bytes
 from ..engines.job import Job, default_optimizer
 from ..engines.transforms import check_transform, compression
 from ..processes.guard import check_main_guard
+from .balance import choose_balance, unbalanced_because
 from .device import train_placement
 from .epochs import announce_epochs
 from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
@@ -104,6 +105,11 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
     check_elastic(args["elastic"], mode, transport, launch)
     placement = train_placement(args["device"], mode, workers, launch, transport, args["elastic"])
+    transform = reduction(args["transform"], args["compress"], model, mode)
+    because = unbalanced_because(
+        model, args["sync_batchnorm"], args["collate_fn"], placement.cuda, mode, transform
+    )
+    balance = choose_balance(args["balance"], mode, workers, because, "towers.train", launch.rank)
     job = Job(
         model=_on_cpu(model),
         loss_fn=args["loss_fn"],
@@ -120,10 +126,11 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
         straggle=check_straggle(args["straggle"], workers),
         sync_batchnorm=bool(args["sync_batchnorm"]),
         elastic=bool(args["elastic"]),
-        transform=reduction(args["transform"], args["compress"], model, mode),
+        transform=transform,
         outer_optimizer=args["outer_optimizer"],
         device=placement.kind,
         transport=transport,
+        balance=balance,
         **{k: args[k] for k in _AS_GIVEN},
     )
     here = launched or (workers + mode.servers == 1 and not args["max_restarts"])

@@ -48,6 +48,10 @@ class TrainResult:
             hung worker) until that step completed.
         evals: with ``eval_data=``: ``(global batches completed, {metric: value})`` for every
             evaluation, in order; the last is at ``steps``, of the trained parameters.
+        shards: sync modes: per step, each tower's shard size (the split of that global
+            batch: even, or with ``balance`` in proportion to the towers' speeds).
+        shard_seconds: sync modes: per step, each tower's compute time for its shard
+            (forward and backward, no waits), what a balanced split follows.
     """
 
     model: nn.Module
@@ -68,6 +72,8 @@ class TrainResult:
     world: list[int] = field(default_factory=list)
     recoveries: list[tuple[int, float]] = field(default_factory=list)
     evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    shards: list[list[int]] = field(default_factory=list)
+    shard_seconds: list[list[float]] = field(default_factory=list)
 
     @property
     def updates(self) -> int:

@@ -79,6 +79,7 @@ def train(
     compress: str | None = None,
     outer_optimizer: OptimizerFactory | None = None,
     device: str = "auto",
+    balance: bool | None = None,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -200,6 +201,14 @@ def train(
             runs CPU workers; the asynchronous modes' server is one more process, with a GPU of
             its own. Choose the GPUs with ``CUDA_VISIBLE_DEVICES``; ``workers=1`` in sync mode
             trains in this process, on its GPU.
+        balance: split each global batch over the towers in proportion to their measured
+            speed (sync and DiLoCo modes): a slow tower gets fewer samples, no tower waits for
+            another, and the averaged gradient is still the whole batch's, so the parameters
+            equal one process's to float tolerance. ``None`` (default): on wherever that holds
+            (not with BatchNorm without ``sync_batchnorm``, a ``collate_fn``, or GPU workers:
+            one line at the start says why); ``False``: the even split of
+            :func:`towers.split`, reproducible bit for bit from run to run.
+            ``TrainResult.shards`` holds every step's split (docs/training.md).
 
     Returns:
         A :class:`TrainResult`.

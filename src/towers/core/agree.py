@@ -124,7 +124,11 @@ def weighted_means(values: Mapping[str, Any], summed: torch.Tensor, world: int) 
 
 
 def mean_vector(values: Mapping[str, Any], samples: int) -> torch.Tensor:
-    """This rank's contribution to :func:`weighted_means`."""
+    """This rank's contribution to :func:`weighted_means` (``ctx.mean``'s arguments checked)."""
+    if not isinstance(values, Mapping):
+        raise TypeError(f"ctx.mean() takes a dict of metrics, got {type(values).__name__}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+        raise ValueError(f"samples must be an int >= 0, got {samples!r}")
     keys = sorted(values)
     out = np.zeros(2 + len(keys))
     out[0], out[1] = samples, key_code(keys)

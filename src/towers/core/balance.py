@@ -8,12 +8,14 @@ synchronous step stays exact. A step then takes about ``B / (v_1 + ... + v_N)`` 
 Every tower measures its own compute time for its shard (forward and backward, no waits) and
 the time rides in the step's metadata, so after each step every rank holds every tower's
 samples and seconds, identically, and derives the same next split from them with
-:class:`Balancer`: pure arithmetic, no communication. It smooths each tower's seconds per
-sample (an exponential average, the first measurement after a (re)start skipped: it pays for
-one-time costs), keeps every tower at least :data:`FLOOR` of an even share (a tower given
-nothing could never be measured again), and moves the split only when some tower's share
-would change by more than :data:`DEADBAND` of the batch, so that timing noise does not make
-the split oscillate. :func:`sizes` turns shares into integer shard sizes that sum to the batch.
+:class:`Balancer`: pure arithmetic, no communication. It smooths each tower's seconds and
+samples apart (exponential averages, whose ratio is the seconds per sample: one step of a
+process that is throttled now and then, by a cgroup's quota say, measures far off; the first
+step after a (re)start is skipped: it pays for one-time costs), keeps every tower at least
+:data:`FLOOR` of an even share (a tower given nothing could never be measured again), and
+moves the split only when some tower's share would change by more than :data:`DEADBAND` of
+the batch, so that timing noise does not make the split oscillate. :func:`sizes` turns
+shares into integer shard sizes that sum to the batch.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 __all__ = ["DEADBAND", "FLOOR", "SMOOTHING", "Balancer", "sizes", "split_sizes"]
 
-SMOOTHING = 0.3  # weight of the newest measurement in a tower's seconds per sample
+SMOOTHING = 0.2  # weight of the newest step in a tower's smoothed seconds and samples
 FLOOR = 0.1  # a tower's least share, as a fraction of an even share (1 / towers)
 DEADBAND = 0.02  # the least change of some tower's share (a fraction of the batch) applied
 
@@ -70,7 +72,8 @@ class Balancer:
         if towers < 1:
             raise ValueError(f"a balance needs at least one tower, got {towers}")
         self.towers = towers
-        self.cost: list[float | None] = [None] * towers  # smoothed seconds per sample
+        self.seconds: list[float | None] = [None] * towers  # smoothed compute seconds a step
+        self.samples: list[float | None] = [None] * towers  # and smoothed samples a step
         self.seen = [0] * towers  # measurements received (the first is skipped)
         self.shares = [1.0 / towers] * towers
 
@@ -86,15 +89,14 @@ class Balancer:
             self.seen[i] += 1
             if self.seen[i] == 1:
                 continue  # a (re)start: allocations, caches, lazy set-up
-            c = t / n
-            old = self.cost[i]
-            self.cost[i] = c if old is None else (1 - SMOOTHING) * old + SMOOTHING * c
+            self.seconds[i] = _smoothed(self.seconds[i], t)
+            self.samples[i] = _smoothed(self.samples[i], n)
         self._reshare()
 
     def _reshare(self) -> None:
-        if any(c is None for c in self.cost):
+        if any(t is None for t in self.seconds):
             return  # some tower is not measured yet: keep the split
-        speeds = [1.0 / c for c in self.cost if c is not None]
+        speeds = [n / t for n, t in zip(self.samples, self.seconds) if n and t]
         target = _floored([v / sum(speeds) for v in speeds], FLOOR / self.towers)
         if max(abs(a - b) for a, b in zip(target, self.shares)) > DEADBAND:
             self.shares = target
@@ -104,14 +106,24 @@ class Balancer:
         return split_sizes(batch, self.shares)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cost": list(self.cost), "seen": list(self.seen), "shares": list(self.shares)}
+        return {
+            "seconds": list(self.seconds),
+            "samples": list(self.samples),
+            "seen": list(self.seen),
+            "shares": list(self.shares),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["shares"]) != self.towers:
             return  # saved with another number of towers: measure afresh
-        self.cost = list(state["cost"])
+        self.seconds = list(state["seconds"])
+        self.samples = list(state["samples"])
         self.seen = list(state["seen"])
         self.shares = list(state["shares"])
+
+
+def _smoothed(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
 
 
 def _floored(shares: list[float], floor: float) -> list[float]:

@@ -87,6 +87,7 @@ class Job:
     transform: GradientTransform | None = None  # how a bucket is reduced; None: a plain sum
     outer_optimizer: OptimizerFactory | None = None  # diloco's outer steps; None: the default
     device: str = "cpu"  # "cuda": every worker on its own GPU (cuda:LOCAL_RANK), over NCCL
+    balance: bool = False  # split each global batch in proportion to the towers' speeds
 
     @property
     def asynchronous(self) -> bool:
@@ -119,3 +120,5 @@ class EngineResult:
     world: list[int] = field(default_factory=list)  # sync: towers that computed each step
     recoveries: list[tuple[int, float]] = field(default_factory=list)  # (step, seconds)
     evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    shards: list[list[int]] = field(default_factory=list)  # sync: each step's split
+    shard_seconds: list[list[float]] = field(default_factory=list)  # and each shard's time

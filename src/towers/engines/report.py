@@ -45,10 +45,15 @@ class Reporter:
         loss: float,
         tower_losses: Sequence[float] | Mapping[int, float],
         rate: float,
+        shards: Sequence[int] = (),
     ) -> None:
-        """Global batch ``step`` is complete; ``tower_losses``: all, or ``{tower: loss}``."""
+        """Global batch ``step`` is complete; ``tower_losses``: all, or ``{tower: loss}``;
+        ``shards``: each tower's samples (sync modes), shown where the split is not even."""
+        uneven = len(set(shards)) > 1 and max(shards) - min(shards) > 1
         if self.bar is not None:
             self.shown = {"loss": f"{loss:.4g}", "samples_s": f"{rate:.0f}"}
+            if uneven:  # a balanced split: where it stands
+                self.shown["split"] = "/".join(map(str, shards))
             self.bar.set_postfix(**self.shown, **self.last_eval, refresh=False)
             self.bar.update(1)
         if self.writer is not None:
@@ -61,6 +66,8 @@ class Reporter:
             for i, value in towers:
                 self.writer.add_scalar(f"loss/tower_{i}", value, step)
             self.writer.add_scalar("samples_per_second", rate, step)
+            for i, n in enumerate(shards):
+                self.writer.add_scalar(f"shard/tower_{i}", n, step)
 
     def evaluated(self, done: int, metrics: Mapping[str, float]) -> None:
         """An evaluation after ``done`` global batches (TensorBoard: ``eval/NAME`` at ``done``)."""

@@ -28,7 +28,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from ..core.modes import parse_mode
-    from .compare import compare
+    from .compare import compare, mode_of
 
     if args.link is not None:
         return _compare_link(args)
@@ -37,7 +37,7 @@ def _compare(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
         for m in modes:
-            parse_mode(m)
+            parse_mode(mode_of(m)[0])
     except ValueError as exc:
         print(f"towers compare: --modes: {exc}", file=sys.stderr)
         return 2

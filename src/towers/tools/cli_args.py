@@ -218,6 +218,13 @@ def _add_run_elastic(run: argparse.ArgumentParser) -> None:
     )
 
 
+def _compared() -> list[str]:
+    """``towers compare``'s rows: every mode's typical form, and sync balanced beside sync."""
+    typical = [cls.typical() for cls in MODES.values()]
+    at = typical.index("sync") + 1 if "sync" in typical else len(typical)
+    return [*typical[:at], "sync+balance", *typical[at:]]
+
+
 def _modes() -> str:
     return ", ".join(cls.usage() for cls in MODES.values())
 
@@ -323,9 +330,10 @@ def _add_compare(sub: argparse._SubParsersAction, handler: Handler) -> None:
     )
     cmp.add_argument(
         "--modes",
-        default=",".join(cls.typical() for cls in MODES.values()),
+        default=",".join(_compared()),
         metavar="M[,M...]",
-        help=f"comma-separated modes, each one of {_modes()} (default %(default)s)",
+        help=f"comma-separated modes, each one of {_modes()}, or sync+balance (sync with "
+        "balance=True; plain sync keeps the even split) (default %(default)s)",
     )
     cmp.add_argument(
         "--straggler", type=int, default=1, metavar="T", help="the slowed tower (default 1)"

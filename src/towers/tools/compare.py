@@ -81,6 +81,17 @@ class Run:
         return self.result.updates / self.result.seconds
 
 
+BALANCED = "+balance"  # a mode label's suffix: the same mode, with balance=True
+
+
+def mode_of(label: str) -> tuple[str, bool | None]:
+    """The mode and ``balance=`` a row label asks for: ``"sync+balance"`` balances; plain
+    ``"sync"`` keeps the even split, so that the straggler's cost shows beside it."""
+    if label.endswith(BALANCED):
+        return label[: -len(BALANCED)], True
+    return label, (False if label == "sync" else None)
+
+
 def compare(
     problem: str = "parabola",
     *,
@@ -104,11 +115,13 @@ def compare(
     print_fn(f"towers compare: {p.title}; {workers} workers, {steps} global batches per run")
     runs = []
     for mode in modes:
+        name, balance = mode_of(mode)
         for straggle in ({}, {straggler: factor}):
             torch.manual_seed(seed)
             r = train(
                 p.model(), p.loss, data, batch_size=p.batch_size, steps=steps, workers=workers,
-                mode=mode, optimizer=p.optimizer, seed=seed, progress=False, straggle=straggle,
+                mode=name, optimizer=p.optimizer, seed=seed, progress=False, straggle=straggle,
+                balance=balance,
             )  # fmt: skip
             with torch.no_grad():
                 final = float(p.loss(r.model, data))

@@ -51,9 +51,13 @@ class SyncRecord:
     world: list[int] = field(default_factory=list)  # towers that computed each step
     recoveries: list[tuple[int, float]] = field(default_factory=list)  # elastic: see result
     evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    shards: list[list[int]] = field(default_factory=list)  # each step's split
+    shard_seconds: list[list[float]] = field(default_factory=list)  # each shard's compute time
 
     def add(self, step: int, r: StepResult, at: float) -> None:
         self.samples += r.samples
+        self.shards.append(list(r.tower_samples))
+        self.shard_seconds.append(list(r.tower_seconds))
         self.losses.append(r.loss)
         self.tower_losses.append(r.tower_losses)
         self.world.append(len(r.tower_samples))
@@ -67,6 +71,8 @@ class SyncRecord:
         record.skipped = [(s, list(c)) for s, c in record.skipped]
         record.recoveries = [(s, float(t)) for s, t in record.recoveries]
         record.evals = [(s, dict(m)) for s, m in record.evals]
+        record.shards = [list(s) for s in record.shards]
+        record.shard_seconds = [list(s) for s in record.shard_seconds]
         return record
 
     def save(self) -> dict[str, Any]:
@@ -94,7 +100,11 @@ class _Run:
         self.plan = plan_for(job.mode, job.outer_optimizer)  # what each global batch does
         self.record = SyncRecord()
         self.state = RunState(
-            self.plan, self.record, joining=group.joining, regrouped=self._plan_loading
+            self.plan,
+            self.record,
+            joining=group.joining,
+            regrouped=self._plan_loading,
+            balance=job.balance,
         )
         self.state.replica = self.replica
         self.driver = SyncDriver(group, job.transform, owner=self.state)
@@ -222,7 +232,7 @@ class _Run:
         self.record.add(k, r, at)
         elapsed = time.perf_counter() - self.start
         rate = (self.record.samples - self.first_samples) / max(elapsed, 1e-9)
-        self.reporter.step(k, r.loss, r.tower_losses, rate)
+        self.reporter.step(k, r.loss, r.tower_losses, rate, r.tower_samples)
 
     def _evaluate(self, done: int) -> None:
         comm = self.group.comm
@@ -285,6 +295,8 @@ class _Run:
             world=list(r.world),
             recoveries=list(r.recoveries),
             evals=list(r.evals),
+            shards=[list(s) for s in r.shards],
+            shard_seconds=[list(s) for s in r.shard_seconds],
         )
 
 

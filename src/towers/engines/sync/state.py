@@ -174,6 +174,10 @@ class RunState:
 
     # -- the split of each global batch ----------------------------------------------------
 
+    def balanced(self, on: bool) -> None:
+        """Balance the split from now on (the own loop says so at ``ctx.replicate``)."""
+        self.balancer = Balancer(1) if on else None
+
     def split(self, batch: int, towers: int) -> list[int]:
         """The shard sizes of the next global batch of ``batch`` samples over ``towers``:
         balanced if asked for, else :func:`towers.split`'s (the same on every rank)."""
@@ -211,7 +215,8 @@ class RunState:
             stamp = BatchStamp(comm.world_size).pack(comm.rank, steps, None, None)
             run = functools.partial(plan.exchange, driver, steps, final=final, stamp=stamp)
             outer = group.attempt(driver, run) or outer
-        plan.results()  # the own loop keeps no record of each global batch's loss
+        for _, result, _ in plan.results():  # the own loop keeps no record of the losses
+            self.observe(result)
         return outer
 
     def evaluated(self, model: nn.Module) -> nn.Module:

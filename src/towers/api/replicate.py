@@ -1,0 +1,61 @@
+"""What ``ctx.replicate`` checks and builds before the model is replicated.
+
+The mode, BatchNorm across towers, the gradient transform and the balanced split, each
+checked on every rank before any collective, so that a mistake is one clear error on every
+rank instead of a hang: the own loop's counterpart of :mod:`towers.api.make`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..engines.job import OptimizerFactory
+from ..engines.sync.group import Group
+from ..engines.sync.mode import plan_for
+from ..engines.sync.plan import StepPlan
+from ..engines.syncbn import convert_batchnorm
+from ..engines.transforms import GradientTransform
+from .balance import choose_balance, unbalanced_because
+from .make import reduction
+from .mistakes import refuse_wrapped_model, warn_unsynced_buffers
+from .validate import averages_buffers, check_mode_options, loop_mode
+
+__all__ = ["Prepared", "prepare"]
+
+
+class Prepared:
+    """The step plan, the gradient transform and whether the split is balanced."""
+
+    def __init__(self, plan: StepPlan, transform: GradientTransform | None, balance: bool):
+        self.plan, self.transform, self.balance = plan, transform, balance
+
+
+def prepare(
+    model: nn.Module,
+    group: Group,
+    *,
+    sync_batchnorm: bool,
+    transform: GradientTransform | None,
+    compress: str | None,
+    mode: str,
+    outer_optimizer: OptimizerFactory | None,
+    balance: Any,
+) -> Prepared:
+    """Check ``ctx.replicate``'s arguments and build what it needs (see its docstring)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"replicate() needs an nn.Module, got {type(model).__name__}")
+    refuse_wrapped_model(model, "ctx.replicate()")
+    parsed = loop_mode(mode)
+    check_mode_options(parsed, model, sync_batchnorm, group.elastic, outer_optimizer)
+    world, rank = group.comm.world_size, group.comm.rank
+    reduced = reduction(transform, compress, model)
+    cuda = group.device.type == "cuda"
+    because = unbalanced_because(model, sync_batchnorm, None, cuda, parsed, reduced)
+    balanced = choose_balance(balance, parsed, world, because, "ctx.replicate", rank)
+    if sync_batchnorm:
+        convert_batchnorm(model, group)
+    elif world > 1 and not averages_buffers(parsed):
+        warn_unsynced_buffers(model, "ctx.replicate(model, sync_batchnorm=True)")
+    return Prepared(plan_for(parsed, outer_optimizer), reduced, balanced)

@@ -1,0 +1,211 @@
+"""Balanced splits: the arithmetic alone, then real slowness (a worker in a cpu cgroup capped at
+a third of a core, or ``straggle=``) against a single-process loop."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import random
+
+import pytest
+import torch
+from cgroups import cpu_cgroup, join_cgroup
+from helpers import assert_same_parameters, make_net, mse, reference_loop, regression_data
+from torch import nn
+
+import towers
+from towers.core.balance import DEADBAND, FLOOR, Balancer, sizes, split_sizes
+from towers.core.split import cut
+
+# -- the arithmetic ----------------------------------------------------------------------------
+
+
+def test_sizes_sum_to_the_batch_in_proportion():
+    assert sizes(10, [0.5, 0.25, 0.25]) == [5, 3, 2]
+    assert sizes(7, [1, 1, 1]) == towers.core.split.shard_sizes(7, 3)  # ties to the first
+    assert sizes(0, [0.3, 0.7]) == [0, 0]
+    for _ in range(200):
+        shares = [random.random() + 1e-3 for _ in range(random.randint(1, 6))]
+        batch = random.randint(0, 1000)
+        got = sizes(batch, shares)
+        assert sum(got) == batch and all(abs(g - batch * s / sum(shares)) < 1 for g, s in
+                                         zip(got, shares))  # fmt: skip
+    assert split_sizes(2, [0.9, 0.05, 0.05]) == [1, 1, 0]  # fewer samples than towers
+    with pytest.raises(ValueError, match="cannot cut 5 samples"):
+        sizes(5, [0.0, 0.0])
+
+
+def test_cut_is_split_with_given_sizes():
+    x = torch.arange(10)
+    assert [s.tolist() for s in cut(x, [6, 0, 4])] == [[0, 1, 2, 3, 4, 5], [], [6, 7, 8, 9]]
+    even = cut({"x": x, "y": -x}, towers.core.split.shard_sizes(10, 3))
+    assert [s["y"].tolist() for s in even] == [s.tolist() for s in towers.split(-x, 3)]
+    with pytest.raises(ValueError, match=r"shard sizes \[3, 3\] do not cut a batch of 10"):
+        cut(x, [3, 3])
+
+
+def test_the_balancer_follows_speeds_skipping_each_towers_first_step():
+    b = Balancer(2)
+    b.observe([32, 32], [1.0, 3.0])  # the first: one-time costs, not counted
+    assert b.shares == [0.5, 0.5] and b.split(64) == [32, 32]
+    b.observe([32, 32], [0.1, 0.3])
+    assert b.shares == pytest.approx([0.75, 0.25])
+    assert b.split(64) == [48, 16] and b.split(65) == [49, 16]
+    for _ in range(20):  # equal times at the new split: a fixed point
+        b.observe([48, 16], [0.15, 0.15])
+    assert b.split(64) == [48, 16]
+
+
+def test_a_tower_keeps_a_floor_and_noise_does_not_move_the_split():
+    b = Balancer(4)
+    for _ in range(10):
+        b.observe([16] * 4, [0.1, 0.1, 0.1, 100.0])  # one tower 1000 times slower
+    assert min(b.shares) == pytest.approx(FLOOR / 4) and b.split(64)[3] >= 1
+    noisy, rng = Balancer(2), random.Random(0)
+    moves, last = 0, noisy.split(1000)
+    for _ in range(300):  # the same speed, timed with 1% noise
+        split = noisy.split(1000)
+        noisy.observe(split, [n * 1e-3 * (1 + rng.uniform(-0.01, 0.01)) for n in split])
+        moves += noisy.split(1000) != last
+        last = noisy.split(1000)
+    assert moves <= 2 and abs(last[0] - 500) <= DEADBAND * 1000
+
+
+def test_the_balancer_state_round_trips_and_other_widths_start_afresh():
+    b = Balancer(3)
+    for _ in range(3):
+        b.observe([10, 10, 10], [1.0, 2.0, 4.0])
+    again = Balancer(3)
+    again.load_state_dict(b.state_dict())
+    assert again.split(70) == b.split(70) != [24, 23, 23]
+    other = Balancer(2)
+    other.load_state_dict(b.state_dict())
+    assert other.shares == [0.5, 0.5]
+
+
+# -- real slowness -----------------------------------------------------------------------------
+
+
+class Wide(nn.Module):
+    """Enough arithmetic per sample that a tower's time is its compute, not its overhead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh())
+        self.out = nn.Linear(512, 1)
+
+    def forward(self, x):
+        return self.out(self.net(x))
+
+
+def wide_data(n: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 64, generator=g)
+    return x, x[:, :1].sin() + 0.1 * torch.randn(n, 1, generator=g)
+
+
+def slow_rank_1(model: nn.Module, shard, cgroup: str) -> torch.Tensor:
+    """``mse``, but rank 1 moves itself into ``cgroup`` (a cpu cap) before its first shard."""
+    if os.environ.get("RANK") == "1" and not getattr(slow_rank_1, "joined", False):
+        join_cgroup(cgroup)
+        slow_rank_1.joined = True  # type: ignore[attr-defined]
+    return mse(model, shard)
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_capped_at_a_third_of_a_core_gets_a_smaller_shard_and_results_stay_exact():
+    data, steps, batch = wide_data(), 80, 256
+    opt = functools.partial(torch.optim.SGD, lr=0.05)
+    with cpu_cgroup(0.33) as cg:
+        loss = functools.partial(slow_rank_1, cgroup=str(cg))
+        run = functools.partial(
+            towers.train, Wide(), loss, data, batch_size=batch, steps=steps, workers=2,
+            optimizer=opt, progress=False, transport="shm",
+        )  # fmt: skip
+        balanced, even = run(balance=True), run(balance=False)
+    expected = Wide()
+    reference_loop(expected, data, batch_size=batch, steps=steps, optimizer=opt)
+    assert_same_parameters(balanced.model, expected)
+    assert_same_parameters(even.model, expected)
+    assert all(s == [128, 128] for s in even.shards)
+    assert all(sum(s) == batch for s in balanced.shards) and balanced.shards[0] == [128, 128]
+    late = sorted(s[0] for s in balanced.shards[-20:])
+    assert late[10] > 0.6 * batch, balanced.shards  # 0.75 where rank 0 has a core of its own
+
+
+def _own_loop(balance: bool | None, steps: int = 30) -> tuple[list[list[int]], list[torch.Tensor]]:
+    ctx = towers.init(timeout=60)
+    model = ctx.replicate(make_net(), balance=balance)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = regression_data(n=steps * 48)
+    splits = []
+    for shard in ctx.shards(
+        (x[k * 48 : k * 48 + 48], y[k * 48 : k * 48 + 48]) for k in range(steps)
+    ):
+        if ctx.rank == 1:
+            end = torch.randn(256, 256)  # a tower that is slower: more work per step
+            for _ in range(6):
+                end = end @ end.tanh()
+        r = ctx.step(mse(model, shard), opt)
+        splits.append(list(r.tower_samples))
+    ctx.close()
+    return splits, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_the_own_loop_balances_its_shards_and_equals_one_process():
+    ranks = towers.spawn(_own_loop, 2, True, timeout=100)
+    splits, params = ranks[0]
+    assert splits == ranks[1][0] and all(sum(s) == 48 for s in splits)
+    assert splits[-1][0] > splits[-1][1], splits[-5:]  # rank 1 does more per step
+    x, y = regression_data(n=30 * 48)
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for k in range(30):
+        opt.zero_grad()
+        mse(model, (x[k * 48 : k * 48 + 48], y[k * 48 : k * 48 + 48])).backward()
+        opt.step()
+    for p, q in zip(params, model.parameters(), strict=True):
+        torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+    assert towers.spawn(_own_loop, 2, False, timeout=100)[0][0] == [[24, 24]] * 30
+
+
+def _float64_distance(model: nn.Module, reference: nn.Module) -> float:
+    got = torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+    ref = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+    return float((got - ref).norm() / ref.norm())
+
+
+@pytest.mark.timeout(240)
+def test_over_a_long_run_a_balanced_split_drifts_from_float64_no_more_than_one_process():
+    data, steps, batch = regression_data(n=512), 80, 64
+    opt = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    balanced = towers.train(
+        make_net(), mse, data, batch_size=batch, steps=steps, workers=3, optimizer=opt,
+        straggle={2: 3.0}, balance=True, progress=False,
+    )  # fmt: skip
+    assert len({tuple(s) for s in balanced.shards}) > 1  # the split moved
+    single = make_net()
+    reference_loop(single, data, batch_size=batch, steps=steps, optimizer=opt)
+    exact = make_net().double()
+    data64 = tuple(t.double() for t in data)
+    reference_loop(exact, data64, batch_size=batch, steps=steps, optimizer=opt)
+    one_process = _float64_distance(single, exact)
+    assert _float64_distance(balanced.model, exact) <= 2 * one_process + 1e-7
+
+
+def test_bad_balance_arguments_are_refused_before_any_worker_starts(capfd):
+    data = regression_data()
+    with pytest.raises(TypeError, match="balance must be True, False or None"):
+        towers.train(make_net(), mse, data, batch_size=9, steps=1, balance="yes")
+    with pytest.raises(ValueError, match="mode 'async' never waits for a slow tower"):
+        towers.train(make_net(), mse, data, batch_size=9, steps=1, mode="async", balance=True)
+    bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    towers.train(bn, mse, data, batch_size=9, steps=2, workers=2, progress=False)
+    assert "balance off: the model's 1 BatchNorm layer(s)" in capfd.readouterr().err
+    with pytest.warns(RuntimeWarning, match="balance on: the model's 1 BatchNorm"):
+        towers.train(bn, mse, data, batch_size=9, steps=2, workers=2, balance=True, progress=False)
+    result = towers.train(make_net(), mse, data, batch_size=9, steps=2, workers=1)
+    assert result.shards == [[9], [9]] and not math.isnan(result.losses[-1])
