@@ -140,11 +140,13 @@ def cgroup_case(share: float, steps: int) -> dict[str, Any]:
 
 
 def straggle_case(factor: float, steps: int) -> dict[str, Any]:
-    r = towers.train(
-        mlp(), xent, data(), batch_size=512, steps=steps, workers=4, progress=False,
-        optimizer=functools.partial(torch.optim.SGD, lr=0.05), shuffle=False,
-        straggle={3: factor}, balance=True,
+    train = functools.partial(
+        towers.train, mlp(), xent, data(), batch_size=512, steps=steps, workers=4,
+        progress=False, optimizer=functools.partial(torch.optim.SGD, lr=0.05), shuffle=False,
+        straggle={3: factor},
     )  # fmt: skip
+    even = train(balance=False)
+    r = train(balance=True)
     half = len(r.shards) // 2
     speeds = [
         sum(s[i] for s in r.shards[half:]) / sum(t[i] for t in r.shard_seconds[half:])
@@ -152,7 +154,7 @@ def straggle_case(factor: float, steps: int) -> dict[str, Any]:
     ]
     ideal = 512 / sum(speeds)
     return {"load": os.getloadavg()[0], "balanced": per_batch(r), "ideal": ideal,
-            "split": r.shards[-1]}  # fmt: skip
+            "even": per_batch(even), "split": r.shards[-1]}  # fmt: skip
 
 
 def chart(split: list[int], total: int = 512, width: int = 50) -> list[str]:
@@ -181,8 +183,9 @@ def main() -> None:
             f"{1e3 * c['one process']:.1f}, even {1e3 * c['even']:.1f}, balanced "
             f"{1e3 * c['balanced']:.1f}, async {1e3 * c['async']:.1f}; balanced/even "
             f"{c['balanced'] / c['even']:.2f}, balanced/async {c['balanced'] / c['async']:.2f}; "
-            f"4 workers, one {args.factor:g}x slower: balanced/ideal "
-            f"{s['balanced'] / s['ideal']:.2f} (split {s['split']}, load {s['load']:.1f})",
+            f"4 workers, one {args.factor:g}x slower: balanced/even "
+            f"{s['balanced'] / s['even']:.2f}, balanced/ideal {s['balanced'] / s['ideal']:.2f} "
+            f"(split {s['split']}, load {s['load']:.1f})",
             flush=True,
         )
         for name, (d, single) in c["distance"].items():
@@ -191,7 +194,8 @@ def main() -> None:
     print(
         f"medians over {args.repeats}: balanced/even "
         f"{med(c['balanced'] / c['even'] for c in cg):.2f}, balanced/async "
-        f"{med(c['balanced'] / c['async'] for c in cg):.2f}, straggler balanced/ideal "
+        f"{med(c['balanced'] / c['async'] for c in cg):.2f}, straggler balanced/even "
+        f"{med(s['balanced'] / s['even'] for s in st):.2f}, balanced/ideal "
         f"{med(s['balanced'] / s['ideal'] for s in st):.2f}"
     )
     print("rank 0's samples of each global batch, the balanced cgroup run of the last repeat:")

@@ -15,9 +15,10 @@ CPU-spinning processes beside the whole run, as on a machine others use. Arms:
   computing towers, seconds per global batch after the warm-up;
 - ``towers-nccl``: towers' synchronous step on NCCL, one GPU per worker (skipped without as many
   CUDA devices as workers);
-- ``train-sync``, ``train-elastic`` (only when named in ``--arms``): ``towers.train`` in sync
-  mode without and with ``elastic=True``, seconds per global batch after the warm-up: what
-  elastic costs when nothing fails.
+- ``train-sync``, ``train-elastic``, ``train-even`` (only when named in ``--arms``):
+  ``towers.train`` in sync mode without and with ``elastic=True``, and with ``balance=False``
+  (the even split), seconds per global batch after the warm-up: what elastic costs when
+  nothing fails, and what a balanced split saves beside busy processes.
 
 The sweep times one all-reduce of 4 KB ... 64 MB float32 messages on each transport, next to a
 one-thread memcpy of the same size measured in the same run. Reporting lives in
@@ -68,6 +69,7 @@ ARMS = [
     "towers-nccl",
     "train-sync",
     "train-elastic",
+    "train-even",
 ]
 
 
@@ -231,6 +233,8 @@ def _arm(name: str, arm: str, cfg: BenchConfig) -> float | str:
         return _train(name, n, w, s, mode="async")
     if arm in ("train-sync", "train-elastic"):  # the steady-state cost of elastic=True
         return _train(name, n, w, s, elastic=arm == "train-elastic")
+    if arm == "train-even":  # against train-sync: what the balanced split saves
+        return _train(name, n, w, s, balance=False)
     if arm == "towers-nccl" and torch.cuda.device_count() < n:
         return f"skipped: needs {n} CUDA devices, this machine has {torch.cuda.device_count()}"
     if arm.startswith("towers-"):

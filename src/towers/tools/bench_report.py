@@ -27,6 +27,10 @@ ARM_LEGEND = {
     "towers-async": "towers.train(mode='async'): a parameter server and N workers; time per "
     "global batch",
     "towers-nccl": "towers' synchronous step on NCCL, one GPU per worker",
+    "train-sync": "towers.train in sync mode (the split balanced by default); time per global "
+    "batch",
+    "train-elastic": "towers.train(elastic=True); time per global batch",
+    "train-even": "towers.train(balance=False): the even split; time per global batch",
 }
 
 

@@ -32,6 +32,7 @@ BENCH_ARMS = (
     "towers-nccl",
     "train-sync",
     "train-elastic",
+    "train-even",
 )
 
 
