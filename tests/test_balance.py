@@ -209,3 +209,18 @@ def test_bad_balance_arguments_are_refused_before_any_worker_starts(capfd):
         towers.train(bn, mse, data, batch_size=9, steps=2, workers=2, balance=True, progress=False)
     result = towers.train(make_net(), mse, data, batch_size=9, steps=2, workers=1)
     assert result.shards == [[9], [9]] and not math.isnan(result.losses[-1])
+
+
+@pytest.mark.timeout(120)
+def test_diloco_balances_its_inner_steps_and_moves_the_split_only_at_exchanges():
+    data = wide_data(n=2048)
+    result = towers.train(
+        Wide(), mse, data, batch_size=128, steps=16, workers=2, mode="diloco:4", balance=True,
+        straggle={1: 4.0}, optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+        progress=False,
+    )  # fmt: skip
+    periods = [result.shards[k : k + 4] for k in range(0, 16, 4)]
+    assert all(len({tuple(s) for s in p}) == 1 for p in periods), result.shards
+    assert all(sum(s) == 128 for s in result.shards)
+    assert periods[-1][0][0] > periods[-1][0][1], result.shards  # the straggler's is smaller
+    assert all(math.isfinite(v) for v in result.losses)
