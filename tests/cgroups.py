@@ -58,15 +58,7 @@ def memory_cgroup(limit: int) -> Iterator[Path]:
     try:
         yield child
     finally:
-        deadline = time.monotonic() + 10
-        while True:  # its processes may take a moment to be gone
-            try:
-                child.rmdir()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        _remove(child)
 
 
 @contextlib.contextmanager
@@ -91,17 +83,22 @@ def cpu_cgroup(share: float, period_us: int = 10_000) -> Iterator[Path]:
     try:
         yield child
     finally:
-        deadline = time.monotonic() + 10
-        while True:  # its processes may take a moment to be gone
-            try:
-                child.rmdir()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        _remove(child)
 
 
 def join_cgroup(cgroup: Path | str) -> None:
     """Move this process, every thread of it, into ``cgroup``."""
     Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
+
+
+def _remove(cgroup: Path) -> None:
+    """Remove ``cgroup`` once it is empty: its processes may take a moment to be gone."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            cgroup.rmdir()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
