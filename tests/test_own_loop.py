@@ -203,8 +203,13 @@ def test_batch_stamp_names_the_disagreement_pure():
     stamp.check(stamp.pack(0, 4, 10, a) + stamp.pack(1, 4, None, None))  # unknown: not compared
     with pytest.raises(ValueError, match=r"different steps \(rank 0: 4, rank 1: 5\)"):
         stamp.check(stamp.pack(0, 4, 10, a) + stamp.pack(1, 5, 10, a))
-    with pytest.raises(ValueError, match="not on the same global batch"):
+    with pytest.raises(ValueError, match="not on the same global batch") as two:
         stamp.check(stamp.pack(0, 4, 10, a) + stamp.pack(1, 4, 10, b))
+    assert "a random draw made on some ranks only" in str(two.value)
+    assert "drew another batch" not in str(two.value)  # of two ranks, neither is the odd one
+    three = BatchStamp(world=3)
+    with pytest.raises(ValueError, match=r"rank\(s\) 1 drew another batch than the others"):
+        three.check(sum(three.pack(r, 4, 10, b if r == 1 else a) for r in range(3)))
 
 
 def test_weighted_means_pure():

@@ -20,9 +20,8 @@ schedule the loop builds itself (build it from ``ctx.steps``). See docs/elastic.
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -30,13 +29,12 @@ import torch
 from torch import nn
 
 from ..comm.base import Comm
-from ..comm.hang import calling
-from ..core.agree import BatchStamp, fingerprint, mean_vector, weighted_means
+from ..core.agree import fingerprint, mean_vector, weighted_means
 from ..core.split import batch_size, cut
 from ..core.step import StepResult
 from ..engines.evaluate import combine, evaluate_loop_data
 from ..engines.job import OptimizerFactory
-from ..engines.replica import Replica, check_loss, to_device
+from ..engines.replica import Replica, to_device
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.group import Group
 from ..engines.sync.plan import EveryStep
@@ -44,8 +42,9 @@ from ..engines.sync.state import LastResult, RunState
 from ..engines.transforms import GradientTransform
 from .amp import check_scaler, poison_grads
 from .loop_files import load_loop, save_loop
-from .mistakes import BACKWARD_IN_DILOCO, BACKWARD_TWICE, refuse_distributed_sampler
+from .mistakes import BACKWARD_IN_DILOCO, refuse_distributed_sampler
 from .replicate import prepare
+from .stepper import Stepper
 
 __all__ = ["Context"]
 
@@ -64,12 +63,7 @@ class Context:
         self._last = LastResult()  # the last step's result: a peer's after a regroup
         # the user's batches cannot be replayed: the state agreed on elastic jobs says so
         self._state = RunState(EveryStep(), self._last, joining=group.joining, replays=False)
-        self._driver = SyncDriver(group, owner=self._state)
-        self._redo = False  # the last step must be trained again (a peer was lost)
-        self._shard_at: float | None = None  # when ctx.shards yielded the current shard
-        self._shard_samples: int | None = None
-        self._batch: tuple[int, int] | None = None  # the last global batch's size, fingerprint
-        self._accumulated = False  # accumulate() ran since the last step
+        self._steps = Stepper(group, self._state, self._last)
 
     @property
     def steps(self) -> int:
@@ -151,9 +145,10 @@ class Context:
         self._state.replica = Replica(model)
         self._state.plan = ready.plan
         self._state.balanced(ready.balance)
-        self._driver = SyncDriver(self._group, ready.transform, owner=self._state)
+        driver = SyncDriver(self._group, ready.transform, owner=self._state)
+        self._steps.attach(driver, model)
         breaks = self._state.plan.attach(model.to(self.device))
-        return self._driver.replicate(model, bucket_bytes, breaks)
+        return driver.replicate(model, bucket_bytes, breaks)
 
     def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         """This tower's shard of each global batch, on :attr:`device`: :func:`towers.split`'s,
@@ -173,41 +168,13 @@ class Context:
             while True:
                 total = batch_size(batch)
                 shard = cut(batch, self._state.split(total, self.world_size))[self.rank]
-                self._shard_samples = batch_size(shard)
-                self._batch = (total, fingerprint(batch))
-                self._shard_at = time.perf_counter()  # the forward and backward start here
+                self._steps.shard(batch_size(shard), (total, fingerprint(batch)))
                 yield to_device(shard, self.device)
-                if not self._redo:
+                if not self._steps.redo:
                     break
-                self._redo = False
+                self._steps.redo = False
 
     # -- the step --------------------------------------------------------------------------
-
-    def _weight(self, samples: int | None) -> int:
-        if samples is None:
-            return self._shard_samples if self._shard_samples is not None else 1
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
-        return samples
-
-    def _backward(self, loss: torch.Tensor | None, samples: int, scaler: Any = None) -> None:
-        if samples == 0 or loss is None:
-            return
-        check_loss(loss, "the loss passed to ctx.backward()/ctx.step()")
-        try:
-            self._driver.backward(loss, samples, scaler)
-        except RuntimeError as exc:
-            if "backward through the graph a second time" not in str(exc):
-                raise
-            raise RuntimeError(BACKWARD_TWICE) from None
-
-    def _check_no_stale_grads(self) -> None:
-        """Gradients present before a step's first backward were not made by this step."""
-        if self._accumulated:
-            return
-        for p in self._driver.params:
-            if p.grad is not None and bool(p.grad.any()):
-                raise RuntimeError(BACKWARD_TWICE)
 
     def accumulate(
         self, loss: torch.Tensor, samples: int | None = None, *, scaler: Any = None
@@ -221,52 +188,23 @@ class Context:
         gradient by that factor and makes results depend on how many ranks share the batch.
         With a ``GradScaler``, pass it here as to :meth:`backward`.
         """
-        self._check_no_stale_grads()  # before the step's first micro-batch only
-        self._backward(loss, self._weight(samples), check_scaler(scaler))
-        self._accumulated = True
+        steps = self._steps
+        steps.check_no_stale_grads()  # before the step's first micro-batch only
+        steps.backward(loss, steps.weight(samples), check_scaler(scaler))
+        steps.accumulated = True
 
-    def _run_step(
-        self,
-        loss: torch.Tensor | None,
-        samples: int | None,
-        optimizer: torch.optim.Optimizer | None,
-        scaler: Any = None,
-    ) -> StepResult:
-        """The step over the group: a result, or (elastic) a redo after a lost peer."""
-        if self._driver.sync is None:
-            raise RuntimeError("call ctx.replicate(model) before ctx.backward() or ctx.step()")
-        weight = self._weight(samples)
-        self._check_no_stale_grads()
-        size, mark = self._batch if self._batch is not None else (None, None)
-        state = self._state
-        stamp = BatchStamp(self.world_size).pack(self.rank, state.steps, size, mark)
-        calling(f"{'ctx.step' if optimizer is not None else 'ctx.backward'} (step {state.steps})")
+    @property
+    def last(self) -> StepResult | None:
+        """The last step's result (after ``ctx.backward``, ``ctx.step`` or a plain
+        ``loss.backward()``; that one's loss is ``nan``: towers does not see the loss)."""
+        return self._last.result
 
-        def one() -> StepResult:  # attempted, and redone in an elastic job
-            if state.plan.reduces:
-                self._driver.arm()
-            self._backward(loss, weight, scaler)
-            if self._shard_at is not None:  # what a balanced split follows
-                self._driver.add(0.0, 0, time.perf_counter() - self._shard_at)
-            result = state.plan.step(self._driver, optimizer, state.steps, stamp=stamp)
-            state.steps += 1
-            self._last.result = result
-            return result
-
-        before = state.steps
-        try:
-            result = self._group.attempt(self._driver, one)
-        finally:
-            self._shard_samples, self._batch, self._accumulated = None, None, False
-            self._shard_at = None
-        if result is not None:
-            outer = state.exchange(self._group, self._driver, final=False)
-            return result if outer is None else outer
-        self._driver.zero_grad()
-        if state.steps > before and self._last.result is not None:  # a peer had completed it
-            return self._last.result
-        self._redo = True
-        return StepResult(math.nan, [], [], skipped=True, redo=True)
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward calls inside stay on this tower, as inside DDP's ``model.no_sync()``:
+        accumulate micro-batches with a plain ``loss.backward()``, the last one outside (or
+        set ``model.require_backward_grad_sync``, as nanoGPT does). The shards ``ctx.shards``
+        gave since the last step weight the step."""
+        return self._steps.no_sync()
 
     def end_period(self) -> StepResult | None:
         """``"diloco:H"``: exchange and take the outer step now, whatever is left of the period
@@ -275,7 +213,7 @@ class Context:
         Afterwards the model holds the outer parameters on every rank. Returns the last outer
         step's result (``None`` in sync mode, or if nothing was left to exchange).
         """
-        return self._state.exchange(self._group, self._driver, final=True)
+        return self._state.exchange(self._group, self._steps.driver, final=True)
 
     def backward(
         self, loss: torch.Tensor | None, samples: int | None = None, *, scaler: Any = None
@@ -313,9 +251,9 @@ class Context:
             )
         if not self._state.every_step:
             raise ValueError(BACKWARD_IN_DILOCO)
-        result = self._run_step(loss, samples, None, check_scaler(scaler))
+        result = self._steps.run(loss, samples, None, check_scaler(scaler))
         if result.skipped and scaler is not None:
-            poison_grads(self._driver.params)
+            poison_grads(self._steps.driver.params)
         return result
 
     def step(
@@ -331,7 +269,7 @@ class Context:
         --elastic``, ``redo=True`` if a peer was lost: see the module doc).
         """
         self._state.optimizer(optimizer)
-        return self._run_step(loss, samples, optimizer)
+        return self._steps.run(loss, samples, optimizer)
 
     def mean(self, values: Mapping[str, Any], samples: int) -> dict[str, float]:
         """The sample-weighted mean of ``values`` over all towers; call on every rank.
@@ -404,7 +342,7 @@ class Context:
         """
         self.comm.agree_call(f"ctx.save_checkpoint(step {step})")
         replica = Replica(model, optimizer, schedule)
-        save_loop(directory, step, self._driver, self._state, replica, extra)
+        save_loop(directory, step, self._steps.driver, self._state, replica, extra)
 
     def load_checkpoint(
         self,
@@ -423,7 +361,7 @@ class Context:
             ValueError: if ``directory`` holds checkpoints of ``towers.train``, not of a loop.
         """
         replica = Replica(model, optimizer, schedule)
-        loaded = load_loop(directory, self._driver, self._state, replica)
+        loaded = load_loop(directory, self._steps.driver, self._state, replica)
         if loaded is None:
             return 0, {}
         self._state.steps = loaded[0]  # where the mode's periods continue
@@ -438,8 +376,9 @@ class Context:
 
         In an elastic job, first wait until every member has done every step.
         """
-        self._group.finish(self._driver if self._driver.model is not None else None)
-        self._driver.remove()
+        driver = self._steps.driver
+        self._group.finish(driver if driver.model is not None else None)
+        driver.remove()
         self._group.close()
 
     def __enter__(self) -> Context:

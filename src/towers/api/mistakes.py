@@ -18,6 +18,8 @@ from ..core.modes import Engine
 __all__ = [
     "BACKWARD_IN_DILOCO",
     "BACKWARD_TWICE",
+    "PLAIN_BACKWARD_ELASTIC",
+    "PLAIN_BACKWARD_NO_SHARDS",
     "check_sync_batchnorm",
     "has_batchnorm",
     "refuse_distributed_sampler",
@@ -30,6 +32,18 @@ __all__ = [
 BACKWARD_IN_DILOCO = (
     "ctx.backward() leaves every step's averaged gradients in .grad, but in DiLoCo each tower "
     "steps alone between outer steps: use ctx.step(loss, optimizer)"
+)
+PLAIN_BACKWARD_ELASTIC = (
+    "loss.backward() on the replicated model steps it as ctx.backward(loss) would, which is not "
+    "available here: under towers run --elastic a step interrupted by a lost worker must be "
+    "redone, and in DiLoCo each tower steps alone between outer steps. Use "
+    "ctx.step(loss, optimizer) in place of loss.backward() and optimizer.step()"
+)
+PLAIN_BACKWARD_NO_SHARDS = (
+    "loss.backward() on the replicated model averages the gradients over all towers, each "
+    "weighted by its samples, and no shard was taken with ctx.shards() since the last step, "
+    "so this tower's samples are unknown. Take the batches with `for shard in "
+    "ctx.shards(batches)`, or call ctx.backward(loss, samples=n) in place of loss.backward()"
 )
 BACKWARD_TWICE = (
     "the parameters already hold gradients when ctx.backward()/ctx.step() starts. Either "

@@ -96,13 +96,29 @@ class BatchStamp:
         if len({(n, m) for _, n, m in known}) > 1:
             listing = ", ".join(f"rank {r}: {n} samples, fingerprint {m:08x}" for r, n, m in known)
             raise ValueError(
-                f"step {steps[0] - 1}: the ranks are not on the same global batch ({listing}). "
-                "Every rank must build the same global batches in the same order and pass them "
-                "to ctx.shards(), which gives each rank its part. Likely causes: a seed that "
-                "depends on the rank (seed shuffling and data generation the same on every "
-                "rank), or a DistributedSampler left from a DDP script (remove it: ctx.shards() "
-                "does the split)"
+                f"step {steps[0] - 1}: the ranks are not on the same global batch ({listing})"
+                f"{_odd_ones(known)}. Every rank must build the same global batches in the same "
+                "order and pass them to ctx.shards(), which gives each rank its part. Likely "
+                "causes: a random draw made on some ranks only (an evaluation on rank 0 that "
+                "draws from the global RNG, as nanoGPT's estimate_loss under `if "
+                "master_process`: draw the batches from a generator of their own, "
+                "torch.Generator().manual_seed(seed), or evaluate on every rank with "
+                "ctx.evaluate); a seed that depends on the rank (seed shuffling and data "
+                "generation the same on every rank); or a DistributedSampler left from a DDP "
+                "script (remove it: ctx.shards() does the split)"
             )
+
+
+def _odd_ones(known: list[tuple[int, int, int]]) -> str:
+    """Where most ranks agree, the ones that do not, for the message."""
+    counts: dict[tuple[int, int], int] = {}
+    for _, n, m in known:
+        counts[(n, m)] = counts.get((n, m), 0) + 1
+    common, most = max(counts.items(), key=lambda kv: kv[1])
+    if most * 2 <= len(known):
+        return ""
+    odd = [r for r, n, m in known if (n, m) != common]
+    return f": rank(s) {', '.join(map(str, odd))} drew another batch than the others"
 
 
 def weighted_means(values: Mapping[str, Any], summed: torch.Tensor, world: int) -> dict[str, float]:

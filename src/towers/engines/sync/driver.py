@@ -22,7 +22,7 @@ kept by survivors and handed to replacements (``snapshot``/``adopt``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -79,6 +79,9 @@ class SyncDriver:
         self.samples = 0  # this tower's samples since the last reduce()
         self.loss_sum: float | torch.Tensor = 0.0  # and their loss sum (a tensor, unread)
         self.seconds = 0.0  # and the compute time they took
+        self.loss_known = True  # False: a backward the caller did not see (loss.backward())
+        # called when a gradient arrives while the step is not armed (see GradientSync)
+        self.on_unarmed: Callable[[], bool] | None = None
         self._settled: list[torch.Tensor] = []  # buffers after the last completed step
 
     # -- the model -------------------------------------------------------------------------
@@ -115,6 +118,7 @@ class SyncDriver:
         verify_same_model(self.model, comm)
         broadcast_module(self.model if self.owner is None else self.owner.shared(), comm)
         self.sync = GradientSync(self.plan, comm, self.transform, self.state)
+        self.sync.on_unarmed = self.on_unarmed
         if self.group.elastic:
             self.settle()
         if self.owner is not None:
@@ -198,9 +202,10 @@ class SyncDriver:
 
     # -- the step --------------------------------------------------------------------------
 
-    def arm(self) -> None:
-        """The next backward is this step's last: reduce its gradients as they arrive."""
-        self._sync().arm()
+    def arm(self, scale: int = 1) -> None:
+        """The next backward is this step's last: reduce its gradients as they arrive
+        (``scale``: each gradient times it, for a mean loss backpropagated as it is)."""
+        self._sync().arm(scale)
 
     def add(self, loss_sum: float | torch.Tensor, samples: int, seconds: float = 0.0) -> None:
         """Count a backpropagated micro-batch: its loss summed over ``samples`` samples, and
@@ -243,9 +248,11 @@ class SyncDriver:
         sync = self._sync()
         try:
             regroup = self.group.regroup_wanted
-            sync.launch(self.samples, self.loss_sum, stamp, regroup, values, self.seconds)
+            loss = self.loss_sum if self.loss_known else None
+            sync.launch(self.samples, loss, stamp, regroup, values, self.seconds)
         finally:
             self.samples, self.loss_sum, self.seconds = 0, 0.0, 0.0
+            self.loss_known = True
 
     def land(self) -> StepResult:
         """Wait for the reduction :meth:`launch` started and decide it (see :meth:`reduce`)."""

@@ -25,7 +25,7 @@ compression it applies, sees one rank per host; the metadata is summed exactly a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +159,9 @@ class GradientSync:
             for i, p in enumerate(self.params)
         ]
         self._armed = False
+        # called when a gradient arrives unarmed; True if it armed this step (a backward the
+        # caller did not arm, such as a script's own loss.backward())
+        self.on_unarmed: Callable[[], bool] | None = None
         self.regroup = False  # whether the last finished step asked every rank to regroup
         self._chosen: list[int] = []  # the buckets of the step in flight, in launch order
         self._checked = False  # whether the step in flight carries a batch stamp
@@ -173,12 +176,15 @@ class GradientSync:
         return torch.zeros(numel, dtype=like.dtype, device=like.device)
 
     def _reset(self) -> None:
+        """Ready for the next step (``_scale``: what each gradient is multiplied by as it is
+        packed)."""
         self._ready = [0] * len(self.buckets)
         self._launched = 0
         self._out: list[Bucket] = []
         self._next_state = self.state
         self._had_grad = torch.zeros(len(self.params), dtype=torch.float64)
         self._values: Mapping[int, torch.Tensor] | None = None  # reduced instead of .grad
+        self._scale = 1
         self._finite: Finite = True  # every gradient packed so far (a tensor on a GPU)
 
     def commit(self, state: Any) -> None:
@@ -191,12 +197,15 @@ class GradientSync:
             h.remove()
         self.handles = []
 
-    def arm(self) -> None:
-        """The next backward is the last of this step: start averaging as gradients arrive."""
-        self._armed = True
+    def arm(self, scale: int = 1) -> None:
+        """The next backward is the last of this step: start averaging as gradients arrive.
+
+        ``scale``: multiply each gradient by it as it is packed (the samples behind a mean
+        loss that was backpropagated as it is, not times its samples)."""
+        self._armed, self._scale = True, scale
 
     def _on_grad(self, index: int) -> None:
-        if not self._armed:
+        if not self._armed and (self.on_unarmed is None or not self.on_unarmed()):
             return
         b = self.bucket_of[index]
         self._ready[b] += 1
@@ -224,6 +233,8 @@ class GradientSync:
                 else:
                     buf[start:stop].copy_(grad.reshape(-1))
                     self._had_grad[i] = 1.0
+        if self._scale != 1:
+            buf.mul_(self._scale)
         self._finite = both_finite(self._finite, finite_flag(buf))
 
     def _reduce(self, bucket: Bucket) -> None:
@@ -307,7 +318,7 @@ class GradientSync:
     def launch(
         self,
         samples: int,
-        loss_sum: float | torch.Tensor,
+        loss_sum: float | torch.Tensor | None,
         stamp: torch.Tensor | None = None,
         regroup: bool = False,
         values: Mapping[int, torch.Tensor] | None = None,
@@ -337,9 +348,14 @@ class GradientSync:
         self._pack(last)
         # On a GPU the loss sum stays a tensor: reading it would wait for the whole backward.
         pending = None
-        if isinstance(loss_sum, torch.Tensor) and loss_sum.device.type != "cpu":
+        loss_ok: Finite
+        if loss_sum is None:  # not seen (a script's own loss.backward()): its gradients tell
+            loss_sum, loss_ok = math.nan, True
+        elif isinstance(loss_sum, torch.Tensor) and loss_sum.device.type != "cpu":
             pending, loss_sum = loss_sum, 0.0
-        loss_ok = finite_flag(pending) if pending is not None else math.isfinite(loss_sum)
+            loss_ok = finite_flag(pending)
+        else:
+            loss_ok = math.isfinite(loss_sum)
         finite = both_finite(self._finite, loss_ok)
         meta = self.meta.pack(
             self.comm.rank,

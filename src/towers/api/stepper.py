@@ -1,0 +1,189 @@
+"""The own loop's steps: what ``ctx.backward``, ``ctx.step``, ``ctx.accumulate`` and a script's
+own ``loss.backward()`` do over the group (``Context`` holds one :class:`Stepper`).
+
+A step arms the driver (when the mode reduces every step), backpropagates, and hands the step
+to the mode's plan, inside the group's attempt (an elastic job redoes it after a lost peer).
+
+A script that keeps DDP's ``loss.backward()`` gets the same step from the driver's hooks: the
+first gradient of a backward the script did not arm arms it, weighting every gradient by the
+samples of the shards ``ctx.shards`` gave since the last step (the loss is a mean over them),
+and the step is completed when that backward ends (autograd's end-of-backward callback, as
+DDP finishes its reduction there), so that ``optimizer.step()`` right after sees the global
+batch's gradient. ``no_sync()`` (or DDP's ``require_backward_grad_sync = False``, as nanoGPT
+sets it) keeps a backward local, for gradient accumulation. towers does not see such a loss:
+the step's result (``ctx.last``) has its shard sizes and skips, and its loss is ``nan``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.hang import calling
+from ..core.agree import BatchStamp
+from ..core.step import StepResult
+from ..engines.replica import check_loss
+from ..engines.sync.driver import SyncDriver
+from ..engines.sync.group import Group
+from ..engines.sync.state import LastResult, RunState
+from .mistakes import BACKWARD_TWICE, PLAIN_BACKWARD_ELASTIC, PLAIN_BACKWARD_NO_SHARDS
+
+__all__ = ["Stepper"]
+
+
+class Stepper:
+    """One rank's steps over ``group``; see the module doc."""
+
+    def __init__(self, group: Group, state: RunState, last: LastResult):
+        self.group, self.state, self.last = group, state, last
+        self.driver = SyncDriver(group, owner=state)
+        self.model: nn.Module | None = None
+        self.redo = False  # the last step must be trained again (a peer was lost)
+        self.shard_samples: int | None = None  # the last shard's samples
+        self.since_step = 0  # samples of every shard since the last step
+        self.batch: tuple[int, int] | None = None  # the last global batch's size, fingerprint
+        self.shard_at: float | None = None  # when ctx.shards yielded the current shard
+        self.accumulated = False  # accumulate() ran since the last step
+        self.local = False  # no_sync(): a backward that stays on this tower
+        self._own = False  # inside a backward that towers runs itself
+
+    def attach(self, driver: SyncDriver, model: nn.Module) -> None:
+        """The driver of the replicated ``model``: a backward nobody armed arms itself."""
+        self.driver, self.model = driver, model
+        driver.on_unarmed = self._on_unarmed
+
+    def shard(self, samples: int, batch: tuple[int, int]) -> None:
+        """``ctx.shards`` yields a shard of ``samples`` of a global batch (size, fingerprint)."""
+        self.shard_samples, self.batch = samples, batch
+        self.since_step += samples
+        self.shard_at = time.perf_counter()  # the forward and backward start here
+
+    def weight(self, samples: int | None) -> int:
+        if samples is None:
+            return self.shard_samples if self.shard_samples is not None else 1
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        return samples
+
+    def backward(self, loss: torch.Tensor | None, samples: int, scaler: Any = None) -> None:
+        """Backpropagate ``loss * samples`` on this tower (towers' own backward)."""
+        if samples == 0 or loss is None:
+            return
+        check_loss(loss, "the loss passed to ctx.backward()/ctx.step()")
+        self._own = True
+        try:
+            self.driver.backward(loss, samples, scaler)
+        except RuntimeError as exc:
+            if "backward through the graph a second time" not in str(exc):
+                raise
+            raise RuntimeError(BACKWARD_TWICE) from None
+        finally:
+            self._own = False
+
+    def check_no_stale_grads(self) -> None:
+        """Gradients present before a step's first backward were not made by this step."""
+        if self.accumulated:
+            return
+        for p in self.driver.params:
+            if p.grad is not None and bool(p.grad.any()):
+                raise RuntimeError(BACKWARD_TWICE)
+
+    def _stamp(self) -> torch.Tensor:
+        size, mark = self.batch if self.batch is not None else (None, None)
+        comm = self.group.comm
+        return BatchStamp(comm.world_size).pack(comm.rank, self.state.steps, size, mark)
+
+    def _timed(self) -> None:
+        if self.shard_at is not None:  # what a balanced split follows
+            self.driver.add(0.0, 0, time.perf_counter() - self.shard_at)
+
+    def _done(self) -> None:
+        self.shard_samples, self.batch, self.accumulated, self.shard_at = None, None, False, None
+        self.since_step = 0
+
+    def run(
+        self,
+        loss: torch.Tensor | None,
+        samples: int | None,
+        optimizer: torch.optim.Optimizer | None,
+        scaler: Any = None,
+    ) -> StepResult:
+        """The step over the group: a result, or (elastic) a redo after a lost peer."""
+        if self.driver.sync is None:
+            raise RuntimeError("call ctx.replicate(model) before ctx.backward() or ctx.step()")
+        weight = self.weight(samples)
+        self.check_no_stale_grads()
+        state, stamp = self.state, self._stamp()
+        calling(f"{'ctx.step' if optimizer is not None else 'ctx.backward'} (step {state.steps})")
+
+        def one() -> StepResult:  # attempted, and redone in an elastic job
+            if state.plan.reduces:
+                self.driver.arm()
+            self.backward(loss, weight, scaler)
+            self._timed()
+            result = state.plan.step(self.driver, optimizer, state.steps, stamp=stamp)
+            state.steps += 1
+            self.last.result = result
+            return result
+
+        before = state.steps
+        try:
+            result = self.group.attempt(self.driver, one)
+        finally:
+            self._done()
+        if result is not None:
+            outer = state.exchange(self.group, self.driver, final=False)
+            return result if outer is None else outer
+        self.driver.zero_grad()
+        if state.steps > before and self.last.result is not None:  # a peer had completed it
+            return self.last.result
+        self.redo = True
+        return StepResult(math.nan, [], [], skipped=True, redo=True)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward calls inside stay on this tower (gradient accumulation, as DDP's)."""
+        before, self.local = self.local, True
+        try:
+            yield
+        finally:
+            self.local = before
+
+    # -- a script's own loss.backward() ----------------------------------------------------
+
+    def _on_unarmed(self) -> bool:
+        """A gradient arrived in a backward nobody armed: a script's ``loss.backward()``."""
+        if self._own or self.local:
+            return False
+        if not getattr(self.model, "require_backward_grad_sync", True):  # nanoGPT's switch
+            return False
+        if self.group.elastic or not self.state.plan.reduces:
+            raise RuntimeError(PLAIN_BACKWARD_ELASTIC)
+        if self.since_step == 0:
+            raise RuntimeError(PLAIN_BACKWARD_NO_SHARDS)
+        samples = self.since_step
+        self.driver.arm(scale=samples)  # the loss is a mean: each gradient times its samples
+        self.driver.add(0.0, samples)
+        self.driver.loss_known = False
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_plain)
+        return True
+
+    def _finish_plain(self) -> None:
+        """The end of a script's ``loss.backward()``: the step over all towers, as
+        ``ctx.backward`` takes it, so that ``.grad`` holds the global batch's gradient."""
+        state = self.state
+        calling(f"loss.backward() (step {state.steps})")
+        self._timed()
+        try:
+            result = state.plan.step(self.driver, None, state.steps, stamp=self._stamp())
+        finally:
+            self._done()
+        state.steps += 1
+        self.last.result = result
+        state.exchange(self.group, self.driver, final=False)

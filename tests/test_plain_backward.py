@@ -1,0 +1,142 @@
+"""A DDP loop keeps its own lines: ``loss.backward()``, ``clip_grad_norm_``, ``optimizer.step()``
+and ``zero_grad()`` on the model ``ctx.replicate`` returned, compared with one process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import make_net, mse, regression_data
+
+import towers
+from towers.core.split import cut
+
+STEPS, BATCH = 8, 14  # 14 over 3 ranks: shards of 5, 5 and 4
+
+
+def _batches(n_batches: int, size: int):
+    x, y = regression_data(n=n_batches * size)
+    return [(x[k * size : (k + 1) * size], y[k * size : (k + 1) * size]) for k in range(n_batches)]
+
+
+def _ddp_loop(accumulate: str | None = None, nan_at: int | None = None):
+    """Steps as a DDP script writes them; ``accumulate``: two micro-batches a step, kept local
+    by ``ctx.no_sync()`` or by nanoGPT's ``require_backward_grad_sync``."""
+    ctx = towers.init(timeout=60)
+    model = ctx.replicate(make_net(), balance=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    micro = 2 if accumulate else 1
+    batches = _batches(STEPS * micro, BATCH)
+    if nan_at is not None:
+        batches[nan_at][0][-1, 0] = math.nan  # the last rank's shard
+    shards = iter(ctx.shards(batches))
+    results = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        for m in range(micro):
+            shard = next(shards)
+            last = m == micro - 1
+            loss = mse(model, shard) / micro
+            if accumulate == "no_sync" and not last:
+                with ctx.no_sync():
+                    loss.backward()
+            else:
+                model.require_backward_grad_sync = last  # nanoGPT's way (harmless otherwise)
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        results.append(ctx.last)
+    ctx.close()
+    return results, [p.detach().clone() for p in model.parameters()]
+
+
+def _one_process(accumulate: bool = False, nan_at: int | None = None):
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    micro = 2 if accumulate else 1
+    batches = _batches(STEPS * micro, BATCH)
+    if nan_at is not None:
+        batches[nan_at][0][-1, 0] = math.nan
+    for k in range(STEPS):
+        opt.zero_grad()
+        for m in range(micro):
+            (mse(model, batches[k * micro + m]) / micro).backward()
+        if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return list(model.parameters())
+
+
+def _assert_equal_to(params, expected):
+    for p, q in zip(params, expected, strict=True):
+        torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_loss_backward_on_the_replicated_model_trains_as_one_process():
+    ranks = towers.spawn(_ddp_loop, 3, timeout=100)
+    expected = _one_process()
+    for results, params in ranks:
+        _assert_equal_to(params, expected)
+        assert [r.tower_samples for r in results] == [[5, 5, 4]] * STEPS
+        assert all(math.isnan(r.loss) and not r.skipped for r in results)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("accumulate", ["no_sync", "require_backward_grad_sync"])
+def test_accumulation_stays_local_until_the_last_micro_batch(accumulate):
+    ranks = towers.spawn(_ddp_loop, 2, accumulate, timeout=100)
+    expected = _one_process(accumulate=True)
+    for results, params in ranks:
+        _assert_equal_to(params, expected)
+        assert [r.tower_samples for r in results] == [[14, 14]] * STEPS  # two shards of 7 each
+
+
+@pytest.mark.timeout(120)
+def test_a_non_finite_gradient_skips_the_step_on_every_rank():
+    ranks = towers.spawn(_ddp_loop, 3, None, 3, timeout=100)
+    expected = _one_process(nan_at=3)
+    for results, params in ranks:
+        _assert_equal_to(params, expected)
+        assert [k for k, r in enumerate(results) if r.skipped] == [3]
+        assert results[3].culprits == [2]
+
+
+def _without_shards() -> str:
+    ctx = towers.init()
+    model = ctx.replicate(make_net())
+    x, y = regression_data(n=4)
+    try:
+        mse(model, (x, y)).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        ctx.close()
+    return "no error"
+
+
+def test_mistakes_are_named_at_the_first_backward():
+    assert "no shard was taken with ctx.shards()" in _without_shards()
+    ctx = towers.init()
+    model = ctx.replicate(make_net(), mode="diloco:2")
+    shard = next(iter(ctx.shards([regression_data(n=4)])))
+    with pytest.raises(RuntimeError, match=r"in DiLoCo each tower steps alone.*ctx\.step"):
+        mse(model, shard).backward()
+    ctx.close()
+
+
+def test_a_single_process_keeps_its_loop_unchanged():
+    """One rank: the plain loop's numbers, its losses included where ctx.step is used."""
+    ctx = towers.init()
+    model = ctx.replicate(make_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for shard in ctx.shards(_batches(STEPS, BATCH)):
+        opt.zero_grad()
+        mse(model, shard).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    assert ctx.steps == STEPS and ctx.last.tower_samples == [BATCH]
+    ctx.close()
+    _assert_equal_to(list(model.parameters()), _one_process())
+    assert cut(torch.arange(3), [3])[0].tolist() == [0, 1, 2]
