@@ -224,3 +224,17 @@ def test_diloco_balances_its_inner_steps_and_moves_the_split_only_at_exchanges()
     assert all(sum(s) == 128 for s in result.shards)
     assert periods[-1][0][0] > periods[-1][0][1], result.shards  # the straggler's is smaller
     assert all(math.isfinite(v) for v in result.losses)
+
+
+@pytest.mark.timeout(120)
+def test_evaluation_is_split_as_the_batches_are_and_equals_one_process():
+    data, held_out = regression_data(n=256), regression_data(n=77, seed=9)
+    result = towers.train(
+        make_net(), mse, data, batch_size=32, steps=12, workers=2, balance=True,
+        straggle={1: 4.0}, eval_data=held_out, eval_every=6, progress=False,
+    )  # fmt: skip
+    assert result.shards[-1][0] > result.shards[-1][1]  # balanced, away from the straggler
+    with torch.no_grad():
+        expected = mse(result.model, held_out).item()
+    assert result.evals[-1][0] == 12
+    assert result.evals[-1][1]["loss"] == pytest.approx(expected, rel=1e-6)

@@ -194,11 +194,11 @@ def _residuals_after_steps(transform):
     model = ctx.replicate(mlp(), bucket_bytes=1, transform=transform)  # a bucket per tensor
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = digits()
-    first = ctx._driver.state
+    first = ctx._steps.driver.state
     batches = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 256, 64)]
     for shard in ctx.shards(batches):
         ctx.step(ce(model, shard), opt)
-    state = ctx._driver.state
+    state = ctx._steps.driver.state
     ctx.close()
     return first, state
 

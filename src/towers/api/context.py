@@ -319,7 +319,8 @@ class Context:
         """
         model = self._state.evaluated(model)
         where = (self.device, self.rank, self.world_size)
-        part = evaluate_loop_data(model, data, fn, batch_size, collate_fn, *where)
+        shares = self._state.shares(self.world_size)  # a balanced split's, as the shards'
+        part = evaluate_loop_data(model, data, fn, batch_size, collate_fn, *where, shares)
         self.comm.agree_call("ctx.evaluate")
         return combine(self.comm.all_gather_object(part))
 

@@ -11,14 +11,15 @@ object gather); in the asynchronous modes the server evaluates its parameters al
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..core.balance import split_sizes
 from ..core.data import num_samples, take
-from ..core.split import split
+from ..core.split import cut, split
 from .fetch import Fetcher, load
 from .job import Job
 from .replica import to_device
@@ -77,16 +78,21 @@ def evaluate_part(
     world: int,
     batches: Callable[[Any, list[torch.Tensor]], Iterable[Any]],
     what: str = "eval_fn",
+    shares: Sequence[float] | None = None,
 ) -> Partial:
     """This tower's part (``rank`` of ``world``) of evaluating ``fn`` over ``data``.
 
-    ``data`` is cut into chunks of ``batch_size`` samples in order, each split over the towers;
-    ``batches(data, indices)`` fetches this tower's parts; ``what`` names ``fn`` in errors.
-    Returns each metric summed over this tower's samples, and their number.
+    ``data`` is cut into chunks of ``batch_size`` samples in order, each split over the towers
+    (evenly, or in ``shares``: a balanced split's); ``batches(data, indices)`` fetches this
+    tower's parts; ``what`` names ``fn`` in errors. Returns each metric summed over this
+    tower's samples, and their number: their combination does not depend on the split.
     """
     n = num_samples(data)
     chunks = [torch.arange(a, min(a + batch_size, n)) for a in range(0, n, batch_size)]
-    mine = [part for c in chunks if len(part := split(c, world)[rank])]
+    if shares is None or len(shares) != world:
+        mine = [part for c in chunks if len(part := split(c, world)[rank])]
+    else:
+        mine = [p for c in chunks if len(p := cut(c, split_sizes(len(c), shares))[rank])]
     sums: dict[str, float] = {}
     was_training = model.training
     model.eval()
@@ -110,6 +116,7 @@ def evaluate_loop_data(
     device: torch.device,
     rank: int,
     world: int,
+    shares: Sequence[float] | None = None,
 ) -> Partial:
     """This rank's part of the own loop's ``ctx.evaluate``, its arguments checked first."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -120,7 +127,8 @@ def evaluate_loop_data(
     def batches(data: Any, parts: list[torch.Tensor]) -> Iterable[Any]:
         return (take(data, indices, collate_fn) for indices in parts)
 
-    return evaluate_part(model, data, fn, batch_size, device, rank, world, batches, "fn")
+    where = device, rank, world
+    return evaluate_part(model, data, fn, batch_size, *where, batches, "fn", shares)
 
 
 def evaluate(
@@ -130,13 +138,15 @@ def evaluate(
     rank: int,
     world: int,
     fetch: Fetcher | None = None,
+    shares: Sequence[float] | None = None,
 ) -> Partial:
     """This tower's part of evaluating ``job.eval_fn`` (default: the loss) over
     ``job.eval_data``; ``fetch``: the tower's :class:`~towers.engines.fetch.Fetcher` (default:
     in this process)."""
     fn: MetricsFn = job.eval_fn or (lambda m, b: {"loss": job.loss_fn(m, b)})
     batches = fetch or (lambda data, mine: load(job, data, mine))
-    return evaluate_part(model, job.eval_data, fn, job.batch_size, device, rank, world, batches)
+    data, size = job.eval_data, job.batch_size
+    return evaluate_part(model, data, fn, size, device, rank, world, batches, shares=shares)
 
 
 def combine(parts: list[Partial]) -> dict[str, float]:

@@ -147,8 +147,7 @@ class _Run:
 
     def _shares(self) -> list[float] | None:
         """The shares of a balanced split, if it is one, for this many members."""
-        b = self.state.balancer
-        return None if b is None or b.towers != self.group.comm.world_size else list(b.shares)
+        return self.state.shares(self.group.comm.world_size)
 
     def _restore(self, state: dict[str, Any]) -> None:
         """What the loop itself keeps of the checkpoint resumed: the data position, the
@@ -237,7 +236,8 @@ class _Run:
     def _evaluate(self, done: int) -> None:
         comm = self.group.comm
         model, world = self.plan.trained(self.replica.model), comm.world_size
-        mine = evaluate(self.job, model, self.device, comm.rank, world, self.fetcher)
+        where = self.device, comm.rank, world
+        mine = evaluate(self.job, model, *where, self.fetcher, shares=self._shares())
         metrics = combine(comm.all_gather_object(mine))
         self.record.evals.append((done, metrics))
         self.reporter.evaluated(done, metrics)

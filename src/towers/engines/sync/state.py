@@ -187,6 +187,11 @@ class RunState:
             self.balancer = Balancer(towers)
         return self.balancer.split(batch)
 
+    def shares(self, towers: int) -> list[float] | None:
+        """Each tower's share of a batch where the split is balanced for ``towers``."""
+        b = self.balancer
+        return None if b is None or b.towers != towers else list(b.shares)
+
     def observe(self, result: StepResult) -> None:
         """A step's result over all towers: its shard sizes and compute times steer the split."""
         b = self.balancer
