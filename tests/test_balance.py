@@ -4,9 +4,13 @@ a third of a core, or ``straggle=``) against a single-process loop."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,3 +242,44 @@ def test_evaluation_is_split_as_the_batches_are_and_equals_one_process():
         expected = mse(result.model, held_out).item()
     assert result.evals[-1][0] == 12
     assert result.evals[-1][1]["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_two_hosts_of_different_speed_balance_and_equal_one_process(tmp_path):
+    from netns import two_hosts
+
+    scripts, out = Path(__file__).parent / "scripts", tmp_path / "result.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOO_", "MASTER_"))}
+    env |= {"PYTHONPATH": str(Path(towers.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    with cpu_cgroup(0.25) as slow, two_hosts() as (a, b):
+        nodes = [
+            host.popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                        "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr",
+                        a.addr, "--master-port", "29531", str(scripts / "balance_hosts.py"),
+                        str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for rank, host in enumerate((a, b))
+        ]  # fmt: skip
+        # host b's launcher into the cap (from here: a namespace host sees /sys of its own);
+        # the worker it starts inherits it
+        (slow / "cgroup.procs").write_text(str(nodes[1].pid))
+        logs = []
+        for node in nodes:
+            try:
+                logs.append(node.communicate(timeout=150)[0])
+            finally:
+                if node.poll() is None:
+                    node.kill()
+                    node.communicate()
+        assert all(n.returncode == 0 for n in nodes), "\n".join(g[-2500:] for g in logs)
+    got = torch.load(out, weights_only=True)
+    spec = importlib.util.spec_from_file_location("balance_hosts", scripts / "balance_hosts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    late = sorted(s[0] for s in got["shards"][-8:])
+    assert late[4] > 0.6 * module.BATCH, got["shards"]  # the host capped at a quarter core
+    expected = module.build_model()
+    opt = functools.partial(torch.optim.SGD, lr=module.LR)
+    reference_loop(expected, module.data(), batch_size=module.BATCH, steps=module.STEPS,
+                   optimizer=opt, shuffle=False, loss_fn=module.mse)  # fmt: skip
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(got["model"][name], value, rtol=1e-5, atol=1e-6, msg=name)
