@@ -3,13 +3,18 @@ and ``zero_grad()`` on the model ``ctx.replicate`` returned, compared with one p
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import make_net, mse, regression_data
+from helpers import SCRIPTS, make_net, mse, regression_data
 
 import towers
+from towers.comm.net import free_port
 from towers.core.split import cut
 
 STEPS, BATCH = 8, 14  # 14 over 3 ranks: shards of 5, 5 and 4
@@ -140,3 +145,39 @@ def test_a_single_process_keeps_its_loop_unchanged():
     ctx.close()
     _assert_equal_to(list(model.parameters()), _one_process())
     assert cut(torch.arange(3), [3])[0].tolist() == [0, 1, 2]
+
+
+def _one_process_of_the_script() -> list[torch.Tensor]:
+    spec = importlib.util.spec_from_file_location("ddp_habits", SCRIPTS / "ddp_habits.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    torch.manual_seed(1337)
+    model = script.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(script.STEPS):
+        opt.zero_grad(set_to_none=True)
+        for _ in range(script.MICRO):
+            x, y = script.get_batch()
+            ((model(x) - y).square().mean() / script.MICRO).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return list(model.parameters())
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("launcher", ["towers run", "torchrun"])
+def test_a_ddp_script_with_its_setup_changed_equals_one_process(tmp_path, launcher):
+    out, script = tmp_path / "params.pt", str(SCRIPTS / "ddp_habits.py")
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), script, str(out)]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", "towers", "run", script, "-n", "2", "--", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _assert_equal_to(torch.load(out), _one_process_of_the_script())
+    cmd.append("--rank0-eval")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert done.returncode != 0
+    assert "a random draw made on some ranks only" in done.stdout + done.stderr
