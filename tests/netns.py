@@ -132,3 +132,38 @@ def two_hosts(own: bool = False, rate: str | None = None) -> Iterator[tuple[Host
     finally:
         for name in names:  # deleting a namespace deletes the veth end in it, and so the pair
             subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def torchrun_nodes(
+    hosts: tuple[Host, ...],
+    script: str,
+    args: list[str],
+    port: int,
+    env: dict[str, str],
+    timeout: float = 120,
+    started: Any = None,
+) -> list[str]:
+    """Run ``script args`` under torchrun, one node per host (one process each, node 0 on the
+    first host's address); ``started(nodes)`` is called once they are launched. Returns their
+    output; fails the test, with every node's output, unless every node exits 0."""
+    import sys
+
+    nodes = [
+        host.popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
+                    "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr",
+                    hosts[0].addr, "--master-port", str(port), script, *args], env=env,
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for rank, host in enumerate(hosts)
+    ]  # fmt: skip
+    if started is not None:
+        started(nodes)
+    logs = []
+    for node in nodes:
+        try:
+            logs.append(node.communicate(timeout=timeout)[0])
+        finally:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+    assert all(n.returncode == 0 for n in nodes), "\n".join(log[-2500:] for log in logs)
+    return logs

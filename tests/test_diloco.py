@@ -513,27 +513,13 @@ def test_the_own_loop_under_towers_run_elastic_drops_a_lost_workers_period(tmp_p
 
 @pytest.mark.timeout(150)
 def test_train_in_diloco_across_two_hosts_under_torchrun(tmp_path):
-    from netns import two_hosts
+    from netns import torchrun_nodes, two_hosts
 
     scripts, out = Path(__file__).parent / "scripts", tmp_path / "result.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOO_", "MASTER_"))}
     env |= {"PYTHONPATH": str(Path(towers.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    with two_hosts() as (a, b):
-        nodes = [
-            host.popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                        "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr",
-                        a.addr, "--master-port", "29523", str(scripts / "diloco_hosts.py"),
-                        str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            for rank, host in enumerate((a, b))
-        ]  # fmt: skip
-        for node in nodes:
-            try:
-                log = node.communicate(timeout=120)[0]
-            finally:
-                if node.poll() is None:
-                    node.kill()
-                    node.communicate()
-            assert node.returncode == 0, log[-3000:]
+    with two_hosts() as hosts:
+        torchrun_nodes(hosts, str(scripts / "diloco_hosts.py"), [str(out)], 29523, env)
     got = torch.load(out, weights_only=True)
     spec = importlib.util.spec_from_file_location("diloco_hosts", scripts / "diloco_hosts.py")
     module = importlib.util.module_from_spec(spec)
