@@ -99,9 +99,15 @@ class Stepper:
         comm = self.group.comm
         return BatchStamp(comm.world_size).pack(comm.rank, self.state.steps, size, mark)
 
-    def _timed(self) -> None:
+    def _complete(self, optimizer: torch.optim.Optimizer | None, stamp: torch.Tensor) -> StepResult:
+        """The step after its backward: the plan reduces (and applies), the step is counted."""
         if self.shard_at is not None:  # what a balanced split follows
             self.driver.add(0.0, 0, time.perf_counter() - self.shard_at)
+        state = self.state
+        result = state.plan.step(self.driver, optimizer, state.steps, stamp=stamp)
+        state.steps += 1
+        self.last.result = result
+        return result
 
     def _done(self) -> None:
         self.shard_samples, self.batch, self.accumulated, self.shard_at = None, None, False, None
@@ -126,11 +132,7 @@ class Stepper:
             if state.plan.reduces:
                 self.driver.arm()
             self.backward(loss, weight, scaler)
-            self._timed()
-            result = state.plan.step(self.driver, optimizer, state.steps, stamp=stamp)
-            state.steps += 1
-            self.last.result = result
-            return result
+            return self._complete(optimizer, stamp)
 
         before = state.steps
         try:
@@ -177,13 +179,9 @@ class Stepper:
     def _finish_plain(self) -> None:
         """The end of a script's ``loss.backward()``: the step over all towers, as
         ``ctx.backward`` takes it, so that ``.grad`` holds the global batch's gradient."""
-        state = self.state
-        calling(f"loss.backward() (step {state.steps})")
-        self._timed()
+        calling(f"loss.backward() (step {self.state.steps})")
         try:
-            result = state.plan.step(self.driver, None, state.steps, stamp=self._stamp())
+            self._complete(None, self._stamp())
         finally:
             self._done()
-        state.steps += 1
-        self.last.result = result
-        state.exchange(self.group, self.driver, final=False)
+        self.state.exchange(self.group, self.driver, final=False)
