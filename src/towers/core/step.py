@@ -247,13 +247,9 @@ def apply_sums(
     ``finite``: whether every sum is finite, if the caller knows (else it is checked here);
     ``divided``: the sums are divided by the total already (:func:`divide_on_device`).
     """
-    sums = list(sums)
-    if finite is None:
-        finite = _read_finite([finite_flag(flat) for flat, _ in sums])
-    result = step_result(tally, finite)
-    if not result.skipped:
-        for flat, slots in sums:
-            assign_grads(params, flat, slots, None if divided else tally.total, tally.had_grad)
+    result, means = mean_values(tally, sums, finite, divided)
+    for i, mean in means.items():  # none where the step is skipped
+        params[i].grad = None if mean is None else mean.view_as(params[i])
     return result
 
 
