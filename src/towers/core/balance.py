@@ -24,7 +24,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["DEADBAND", "FLOOR", "SMOOTHING", "Balancer", "sizes", "split_sizes"]
+from .split import batch_size, cut
+
+__all__ = ["DEADBAND", "FLOOR", "SMOOTHING", "Balancer", "shard_of", "sizes", "split_sizes"]
 
 SMOOTHING = 0.2  # weight of the newest step in a tower's smoothed seconds and samples
 FLOOR = 0.1  # a tower's least share, as a fraction of an even share (1 / towers)
@@ -58,6 +60,15 @@ def split_sizes(batch: int, shares: Sequence[float]) -> list[int]:
     if batch < len(shares):
         return sizes(batch, [1.0] * len(shares))
     return sizes(batch, shares)
+
+
+def shard_of(batch: Any, rank: int, world: int, shares: Sequence[float] | None = None) -> Any:
+    """Tower ``rank``'s shard of ``batch`` (samples along dim 0) among ``world`` towers: in
+    ``shares`` where the split is balanced for them, else :func:`towers.split`'s (the same
+    sizes as :func:`split_sizes` of equal shares)."""
+    if shares is None or len(shares) != world:
+        shares = [1.0] * world
+    return cut(batch, split_sizes(batch_size(batch), shares))[rank]
 
 
 class Balancer:

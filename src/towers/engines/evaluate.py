@@ -17,9 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.balance import split_sizes
+from ..core.balance import shard_of
 from ..core.data import num_samples, take
-from ..core.split import cut, split
 from .fetch import Fetcher, load
 from .job import Job
 from .replica import to_device
@@ -89,10 +88,7 @@ def evaluate_part(
     """
     n = num_samples(data)
     chunks = [torch.arange(a, min(a + batch_size, n)) for a in range(0, n, batch_size)]
-    if shares is None or len(shares) != world:
-        mine = [part for c in chunks if len(part := split(c, world)[rank])]
-    else:
-        mine = [p for c in chunks if len(p := cut(c, split_sizes(len(c), shares))[rank])]
+    mine = [part for c in chunks if len(part := shard_of(c, rank, world, shares))]
     sums: dict[str, float] = {}
     was_training = model.training
     model.eval()

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from ..core.balance import split_sizes
+from ..core.balance import shard_of
 from ..core.data import BatchOrder, is_dataset, num_samples, take
-from ..core.split import cut, split
+from ..core.split import split
 from .job import Job
 
 __all__ = ["Fetcher", "Planned", "load"]
@@ -126,11 +126,7 @@ class _Plan:
         if self.position is not None:
             order.load_state_dict(self.position)
         for _ in range(self.first, job.steps):
-            batch = next(order)
-            if self.shares is None:
-                mine = split(batch, self.world)[self.rank]
-            else:
-                mine = cut(batch, split_sizes(len(batch), self.shares))[self.rank]
+            mine = shard_of(next(order), self.rank, self.world, self.shares)
             for micro in split(mine, job.accumulate):
                 if len(micro):
                     yield micro.tolist()
