@@ -64,7 +64,8 @@ if __name__ == "__main__":
                  progress=False)
 """
 
-_DDP_JOB = """import os
+_DDP_JOB = """import gc
+import os
 import socket
 import sys
 import torch
@@ -86,6 +87,10 @@ def work(rank, workers, steps, port):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), x**2).backward()
         opt.step()
+    # Free the model before the group: a DDP model alive at exit keeps Gloo's threads running
+    # into interpreter shutdown, where one of them aborts the process now and then.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
