@@ -34,6 +34,15 @@ def test_sizes_sum_to_the_batch_in_proportion():
         assert sum(got) == batch and all(abs(g - batch * s / sum(shares)) < 1 for g, s in
                                          zip(got, shares))  # fmt: skip
     assert split_sizes(2, [0.9, 0.05, 0.05]) == [1, 1, 0]  # fewer samples than towers
+    # a small batch in very uneven shares still gives every tower a sample to be measured by
+    assert sizes(8, [0.97, 0.01, 0.01, 0.01]) == [8, 0, 0, 0]
+    assert split_sizes(8, [0.97, 0.01, 0.01, 0.01]) == [5, 1, 1, 1]
+    assert split_sizes(5, [0.45, 0.45, 0.1]) == [2, 2, 1]
+    for _ in range(200):
+        shares = [random.random() + 1e-3 for _ in range(random.randint(1, 6))]
+        batch = random.randint(len(shares), 50)
+        got = split_sizes(batch, shares)
+        assert sum(got) == batch and min(got) >= 1
     with pytest.raises(ValueError, match="cannot cut 5 samples"):
         sizes(5, [0.0, 0.0])
 

@@ -56,10 +56,22 @@ def sizes(batch: int, shares: Sequence[float]) -> list[int]:
 def split_sizes(batch: int, shares: Sequence[float]) -> list[int]:
     """The shard sizes of a global batch of ``batch`` samples in ``shares``: :func:`sizes`,
     but a batch smaller than the towers is cut as :func:`towers.split` cuts it (one sample
-    each, the first towers first), so that no tower starves for want of a share."""
+    each, the first towers first), and in a larger one every tower gets at least one sample
+    (taken from the largest shard), so that no tower starves for want of a share.
+
+    Example::
+
+        >>> split_sizes(8, [0.97, 0.01, 0.01, 0.01])
+        [5, 1, 1, 1]
+    """
     if batch < len(shares):
         return sizes(batch, [1.0] * len(shares))
-    return sizes(batch, shares)
+    out = sizes(batch, shares)
+    for i in [i for i, n in enumerate(out) if n == 0]:
+        donor = max(range(len(out)), key=lambda j: (out[j], -j))
+        out[donor] -= 1
+        out[i] = 1
+    return out
 
 
 def shard_of(batch: Any, rank: int, world: int, shares: Sequence[float] | None = None) -> Any:
