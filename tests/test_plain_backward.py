@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -99,13 +100,78 @@ def test_accumulation_stays_local_until_the_last_micro_batch(accumulate):
 
 
 @pytest.mark.timeout(120)
+def _warned(*args):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results, params = _ddp_loop(*args)
+    return results, params, [str(w.message) for w in caught if "skipped" in str(w.message)]
+
+
 def test_a_non_finite_gradient_skips_the_step_on_every_rank():
-    ranks = towers.spawn(_ddp_loop, 3, None, 3, timeout=100)
+    ranks = towers.spawn(_warned, 3, None, 3, timeout=100)
     expected = _one_process(nan_at=3)
-    for results, params in ranks:
+    for rank, (results, params, said) in enumerate(ranks):
         _assert_equal_to(params, expected)
         assert [k for k, r in enumerate(results) if r.skipped] == [3]
         assert results[3].culprits == [2]
+        # rank 0 says so once, with what a float16 GradScaler needs instead
+        assert len(said) == (rank == 0)
+    assert "step 3 skipped: a gradient was not finite on tower(s) 2" in ranks[0][2][0]
+    assert "ctx.backward(loss, scaler=scaler)" in ranks[0][2][0]
+
+
+def _prefetching_loop(micro: int, batch: int):
+    """nanoGPT's loop: each micro-batch drawn from the global RNG one ahead of its step, its
+    shard taken with ``ctx.shard`` at the forward, ``loss / micro`` and the flag of DDP."""
+    ctx = towers.init(timeout=60)
+    torch.manual_seed(0)  # the same draws on every rank
+    model = ctx.replicate(make_net())  # balanced where that stays exact: shards may be uneven
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    draw = lambda: regression_data(n=batch, seed=int(torch.randint(1 << 30, ())))  # noqa: E731
+    x, y = draw()
+    samples = []
+    for _ in range(STEPS):
+        for m in range(micro):
+            model.require_backward_grad_sync = m == micro - 1
+            loss = mse(model, ctx.shard((x, y))) / micro
+            x, y = draw()  # the next micro-batch, drawn before this one's backward
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        samples.append(sum(ctx.last.tower_samples))
+    ctx.close()
+    return samples, [p.detach().clone() for p in model.parameters()]
+
+
+def _prefetching_one_process(micro: int, batch: int):
+    torch.manual_seed(0)
+    model = make_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    draw = lambda: regression_data(n=batch, seed=int(torch.randint(1 << 30, ())))  # noqa: E731
+    x, y = draw()
+    for _ in range(STEPS):
+        for _ in range(micro):
+            loss = mse(model, (x, y)) / micro
+            x, y = draw()
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return list(model.parameters())
+
+
+@pytest.mark.timeout(120)
+def test_a_prefetching_loop_with_ctx_shard_trains_as_one_process():
+    ranks = towers.spawn(_prefetching_loop, 3, 2, 10, timeout=100)
+    expected = _prefetching_one_process(2, 10)
+    for samples, params in ranks:
+        _assert_equal_to(params, expected)
+        assert samples == [20] * STEPS  # each step weighs its own two micro-batches
+
+
+@pytest.mark.timeout(60)
+def test_an_empty_shard_under_loss_backward_is_named():
+    with pytest.raises(RuntimeError, match=r"a global batch of 2 samples over 3 towers"):
+        towers.spawn(_prefetching_loop, 3, 1, 2, timeout=30)
 
 
 def _without_shards() -> str:

@@ -166,13 +166,32 @@ class Context:
                 self._state.catch_up -= 1
                 continue
             while True:
-                total = batch_size(batch)
-                shard = cut(batch, self._state.split(total, self.world_size))[self.rank]
-                self._steps.shard(batch_size(shard), (total, fingerprint(batch)))
-                yield to_device(shard, self.device)
+                yield self._shard(batch)
                 if not self._steps.redo:
                     break
                 self._steps.redo = False
+
+    def shard(self, batch: Batch) -> Batch:
+        """This tower's shard of one global ``batch``, as :meth:`shards` gives it.
+
+        For a loop that draws each batch itself (nanoGPT's ``get_batch``): take the shard right
+        before the forward, ``model(*ctx.shard((x, y)))``, so that a batch drawn ahead (a
+        prefetch) counts for the step it is trained in. Every rank must pass the same global
+        batch. Under ``towers run --elastic`` use :meth:`shards`, which gives a redone step its
+        batch again.
+        """
+        if self._group.elastic:
+            raise ValueError(
+                "ctx.shard() is not available under towers run --elastic (a step interrupted by "
+                "a lost worker is redone on the same global batch): loop over ctx.shards(batches)"
+            )
+        return self._shard(batch)
+
+    def _shard(self, batch: Batch) -> Batch:
+        total = batch_size(batch)
+        shard = cut(batch, self._state.split(total, self.world_size))[self.rank]
+        self._steps.shard(batch_size(shard), (total, fingerprint(batch)))
+        return to_device(shard, self.device)
 
     # -- the step --------------------------------------------------------------------------
 

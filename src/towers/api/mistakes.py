@@ -19,7 +19,9 @@ __all__ = [
     "BACKWARD_IN_DILOCO",
     "BACKWARD_TWICE",
     "PLAIN_BACKWARD_ELASTIC",
+    "PLAIN_BACKWARD_EMPTY_SHARD",
     "PLAIN_BACKWARD_NO_SHARDS",
+    "PLAIN_BACKWARD_SKIPPED",
     "check_sync_batchnorm",
     "has_batchnorm",
     "refuse_distributed_sampler",
@@ -44,6 +46,19 @@ PLAIN_BACKWARD_NO_SHARDS = (
     "weighted by its samples, and no shard was taken with ctx.shards() since the last step, "
     "so this tower's samples are unknown. Take the batches with `for shard in "
     "ctx.shards(batches)`, or call ctx.backward(loss, samples=n) in place of loss.backward()"
+)
+PLAIN_BACKWARD_EMPTY_SHARD = (
+    "loss.backward() on the replicated model after an empty shard: a global batch of {batch} "
+    "samples over {world} towers left this tower none, and the mean loss over no samples is "
+    "nan. Give every global batch (every micro-batch drawn for ctx.shard) at least {world} "
+    "samples, or take such steps with ctx.backward(loss, samples=n), passing loss=None and "
+    "samples=0 on a tower whose shard is empty"
+)
+PLAIN_BACKWARD_SKIPPED = (
+    "step {step} skipped: a gradient was not finite on tower(s) {towers}, so every .grad is "
+    "None on every rank and optimizer.step() changes nothing (said once). With a float16 "
+    "GradScaler, `scaler.scale(loss).backward()` cannot lower the scale this way and every "
+    "later step may be skipped too: use ctx.backward(loss, scaler=scaler) in its place"
 )
 BACKWARD_TWICE = (
     "the parameters already hold gradients when ctx.backward()/ctx.step() starts. Either "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +33,13 @@ from ..engines.replica import check_loss
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.group import Group
 from ..engines.sync.state import LastResult, RunState
-from .mistakes import BACKWARD_TWICE, PLAIN_BACKWARD_ELASTIC, PLAIN_BACKWARD_NO_SHARDS
+from .mistakes import (
+    BACKWARD_TWICE,
+    PLAIN_BACKWARD_ELASTIC,
+    PLAIN_BACKWARD_EMPTY_SHARD,
+    PLAIN_BACKWARD_NO_SHARDS,
+    PLAIN_BACKWARD_SKIPPED,
+)
 
 __all__ = ["Stepper"]
 
@@ -47,11 +54,13 @@ class Stepper:
         self.redo = False  # the last step must be trained again (a peer was lost)
         self.shard_samples: int | None = None  # the last shard's samples
         self.since_step = 0  # samples of every shard since the last step
+        self.empty: tuple[int, int] | None = None  # an empty shard since: (batch, towers)
         self.batch: tuple[int, int] | None = None  # the last global batch's size, fingerprint
         self.shard_at: float | None = None  # when ctx.shards yielded the current shard
         self.accumulated = False  # accumulate() ran since the last step
         self.local = False  # no_sync(): a backward that stays on this tower
         self._own = False  # inside a backward that towers runs itself
+        self.warned_skip = False  # a plain backward's skipped step was reported
 
     def attach(self, driver: SyncDriver, model: nn.Module) -> None:
         """The driver of the replicated ``model``: a backward nobody armed arms itself."""
@@ -62,6 +71,8 @@ class Stepper:
         """``ctx.shards`` yields a shard of ``samples`` of a global batch (size, fingerprint)."""
         self.shard_samples, self.batch = samples, batch
         self.since_step += samples
+        if samples == 0:
+            self.empty = (batch[0], self.group.comm.world_size)
         self.shard_at = time.perf_counter()  # the forward and backward start here
 
     def weight(self, samples: int | None) -> int:
@@ -111,7 +122,7 @@ class Stepper:
 
     def _done(self) -> None:
         self.shard_samples, self.batch, self.accumulated, self.shard_at = None, None, False, None
-        self.since_step = 0
+        self.since_step, self.empty = 0, None
 
     def run(
         self,
@@ -167,6 +178,9 @@ class Stepper:
             return False
         if self.group.elastic or not self.state.plan.reduces:
             raise RuntimeError(PLAIN_BACKWARD_ELASTIC)
+        if self.empty is not None:
+            batch, world = self.empty
+            raise RuntimeError(PLAIN_BACKWARD_EMPTY_SHARD.format(batch=batch, world=world))
         if self.since_step == 0:
             raise RuntimeError(PLAIN_BACKWARD_NO_SHARDS)
         samples = self.since_step
@@ -181,7 +195,15 @@ class Stepper:
         ``ctx.backward`` takes it, so that ``.grad`` holds the global batch's gradient."""
         calling(f"loss.backward() (step {self.state.steps})")
         try:
-            self._complete(None, self._stamp())
+            result = self._complete(None, self._stamp())
         finally:
             self._done()
+        if result.skipped and not self.warned_skip and self.group.comm.rank == 0:
+            self.warned_skip = True
+            towers_of = ", ".join(map(str, result.culprits)) or "the sum"
+            warnings.warn(
+                PLAIN_BACKWARD_SKIPPED.format(step=self.state.steps - 1, towers=towers_of),
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.state.exchange(self.group, self.driver, final=False)

@@ -98,14 +98,15 @@ class BatchStamp:
             raise ValueError(
                 f"step {steps[0] - 1}: the ranks are not on the same global batch ({listing})"
                 f"{_odd_ones(known)}. Every rank must build the same global batches in the same "
-                "order and pass them to ctx.shards(), which gives each rank its part. Likely "
-                "causes: a random draw made on some ranks only (an evaluation on rank 0 that "
-                "draws from the global RNG, as nanoGPT's estimate_loss under `if "
-                "master_process`: draw the batches from a generator of their own, "
-                "torch.Generator().manual_seed(seed), or evaluate on every rank with "
-                "ctx.evaluate); a seed that depends on the rank (seed shuffling and data "
-                "generation the same on every rank); or a DistributedSampler left from a DDP "
-                "script (remove it: ctx.shards() does the split)"
+                "order and pass them to ctx.shards() or ctx.shard(), which give each rank its "
+                "part. Likely causes: a random draw made on some ranks only (an evaluation on "
+                "rank 0 that draws from the global RNG, as nanoGPT's estimate_loss under `if "
+                "master_process`: put @torch.random.fork_rng() on the evaluation function, so "
+                "that it leaves the global RNG as it found it, or draw the batches from a "
+                "generator of their own, torch.Generator().manual_seed(seed), or evaluate on "
+                "every rank with ctx.evaluate); a seed that depends on the rank (seed "
+                "shuffling and data generation the same on every rank); or a DistributedSampler "
+                "left from a DDP script (remove it: ctx.shards() does the split)"
             )
 
 
