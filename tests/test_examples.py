@@ -198,21 +198,51 @@ def test_char_gpt_under_towers_run_equals_one_process(tmp_path: Path) -> None:
     args = ["-m", "towers", "run", str(EXAMPLES / "char_gpt.py"), "-n", "2"]
     result = run([sys.executable, *args], tmp_path, timeout=90)
     assert result.returncode == 0, result.stdout
-    assert "[rank0]: OK: 40 steps on 2 ranks x 2 micro-batches equal one process" in result.stdout
-    losses = [float(line.split("loss ")[1].split(",")[0]) for line in result.stdout.splitlines()
-              if "step " in line and ": loss " in line]  # fmt: skip
-    assert len(losses) == 2 and losses[1] < losses[0]  # it learns
+    assert "[rank0]: OK: 41 steps on 2 ranks x 2 micro-steps equal one process" in result.stdout
+    losses = [float(line.split("val loss ")[1]) for line in result.stdout.splitlines()
+              if "step " in line and ": train loss" in line]  # fmt: skip
+    assert len(losses) == 6 and losses[2] < losses[0]  # it learns; the check's run repeats them
+    assert losses[:3] == losses[3:]
 
 
 @pytest.mark.timeout(100)
-def test_char_gpt_under_torchrun_and_its_check_can_fail(tmp_path: Path) -> None:
-    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
+def test_char_gpt_on_four_ranks_under_torchrun_and_its_check_can_fail(tmp_path: Path) -> None:
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "4"]
     launcher += ["--master-port", str(free_port()), str(EXAMPLES / "char_gpt.py")]
     result = run([sys.executable, *launcher], tmp_path, timeout=90)
     assert result.returncode == 0, result.stdout
-    assert "OK: 40 steps on 2 ranks x 2 micro-batches equal one process" in result.stdout
+    assert "OK: 41 steps on 4 ranks x 2 micro-steps equal one process" in result.stdout
     # parameters agree to float tolerance, not bit for bit: a tolerance of 1e-12 must fail
     strict = ["-m", "towers", "run", str(EXAMPLES / "char_gpt.py"), "-n", "2", "--"]
-    strict += ["--steps", "6", "--eval-every", "3", "--rtol", "1e-12"]
+    strict += ["--max-iters", "6", "--eval-interval", "3", "--rtol", "1e-12"]
     failed = run([sys.executable, *strict], tmp_path, timeout=90)
     assert failed.returncode == 1 and "FAIL: " in failed.stdout, failed.stdout
+
+
+def char_gpt_with(tmp_path: Path, old: str, new: str) -> Path:
+    """examples/char_gpt.py with one line of its port undone, as a DDP habit would leave it."""
+    text = (EXAMPLES / "char_gpt.py").read_text()
+    assert text.count(old) == 1
+    script = tmp_path / "char_gpt_habit.py"
+    script.write_text(text.replace(old, new))
+    return script
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize(
+    ("old", "new", "cause"),
+    [
+        ("    @torch.random.fork_rng()", "", "an evaluation on rank 0 that draws from the global"),
+        ("seed_offset = 0  #", "seed_offset = ddp_rank  #", "a seed that depends on the rank"),
+    ],
+    ids=["rank-0-evaluation", "seed-per-rank"],
+)
+def test_char_gpt_with_a_ddp_habit_left_in_stops_naming_it(
+    tmp_path: Path, old: str, new: str, cause: str
+) -> None:
+    script = char_gpt_with(tmp_path, old, new)
+    args = [sys.executable, "-m", "towers", "run", str(script), "-n", "2", "--"]
+    result = run([*args, "--max-iters", "4", "--eval-interval", "2"], tmp_path, timeout=90)
+    assert result.returncode == 1, result.stdout
+    assert "the ranks are not on the same global batch" in result.stdout
+    assert cause in result.stdout
