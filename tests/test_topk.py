@@ -1,4 +1,4 @@
-"""Sparse sums: compress="topk:F[:BITS]".
+"""Sparse sums: compress="topk:F[:BITS]" and mode="sparseloco:H".
 
 Training with top-k is compared with the same arithmetic written out in one process in plain
 torch (:func:`sparsify`, from docs/compression.md's description, not from the codec): every
@@ -9,6 +9,7 @@ by the samples. The model has more than 4096 parameters, so its one bucket is tw
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -24,6 +25,7 @@ from towers.engines.transforms import TopKSum, compression
 
 CHUNK = 4096
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+INNER = functools.partial(torch.optim.SGD, lr=0.05)
 
 
 def wide_net() -> nn.Module:
@@ -110,6 +112,46 @@ def sync_reference(share: float, bits: int, steps: int, workers: int):
         opt.step()
         losses.append(loss_sum / total)
     return model, losses
+
+
+def sparseloco_reference(every: int, steps: int, workers: int) -> tuple[nn.Module, list[float]]:
+    """SparseLoCo in one process: H inner steps per tower, ``e <- 0.95 e + w * delta``, send
+    the top 1/64 at 2 bits, ``e <- e - sent``, outer SGD of lr 1 on the mean of what was sent."""
+    outer = wide_net()
+    outer_opt = torch.optim.SGD(outer.parameters(), lr=1.0)
+    n = sum(p.numel() for p in outer.parameters())
+    residual = [torch.zeros(n) for _ in range(workers)]
+    local = [copy.deepcopy(outer) for _ in range(workers)]
+    inner = [INNER(m.parameters()) for m in local]
+    weights, losses = [0] * workers, []
+    for k, batch in enumerate(_batches(steps)):
+        loss_sum, total = 0.0, 0
+        for t, shard in enumerate(towers.split(tuple(batch), workers)):
+            inner[t].zero_grad()
+            loss = mse(local[t], shard)
+            loss.backward()
+            inner[t].step()
+            weights[t] += len(shard[0])
+            loss_sum, total = loss_sum + loss.item() * len(shard[0]), total + len(shard[0])
+        losses.append(loss_sum / total)
+        if (k + 1) % every:
+            continue
+        sent = None
+        for t in range(workers):
+            pairs = zip(outer.parameters(), local[t].parameters())
+            delta = _flat((o.detach() - m.detach()).mul_(weights[t]) for o, m in pairs)
+            values = residual[t] * 0.95 + delta
+            c = sparsify(values, 1 / 64, 2)
+            residual[t] = values - c
+            sent = c if sent is None else sent + c
+        outer_params = list(outer.parameters())
+        for p, g in zip(outer_params, _unflat(sent / sum(weights), outer_params)):
+            p.grad = g.clone()
+        outer_opt.step()
+        for m in local:
+            m.load_state_dict(outer.state_dict())
+        weights = [0] * workers
+    return outer, losses
 
 
 # -- the codec, without processes -----------------------------------------------------------
@@ -204,6 +246,44 @@ def test_a_resumed_topk_run_equals_an_uninterrupted_one(tmp_path):
     assert_close_lists(resumed.losses, whole.losses, rtol=1e-6)
 
 
+# -- SparseLoCo -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_sparseloco_equals_sparseloco_in_one_process():
+    got = _train(None, steps=9, mode="sparseloco:3", optimizer=INNER)
+    want, losses = sparseloco_reference(every=3, steps=9, workers=3)
+    assert_same_parameters(got.model, want)
+    assert_close_lists(got.losses, losses)
+    assert got.mode == "sparseloco:3" and got.skipped == []
+    spelled = _train(
+        None, steps=9, mode="diloco:3", optimizer=INNER,
+        transform=towers.transforms.topk(1 / 64, bits=2, decay=0.95),
+        outer_optimizer=functools.partial(torch.optim.SGD, lr=1.0),
+    )  # fmt: skip
+    assert_same_parameters(spelled.model, got.model, rtol=0.0, atol=0.0)
+
+
+def _sparseloco_loop():
+    ctx = towers.init()
+    model = ctx.replicate(wide_net(), mode="sparseloco:3")
+    opt = INNER(model.parameters())
+    for shard in ctx.shards(_batches(9)):
+        ctx.step(mse(model, shard), opt)
+    ctx.end_period()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ctx.close()
+    return flat
+
+
+@pytest.mark.timeout(120)
+def test_the_own_loop_trains_sparseloco_too():
+    flats = towers.spawn(_sparseloco_loop, 3)
+    want, _ = sparseloco_reference(every=3, steps=9, workers=3)
+    for flat in flats:
+        torch.testing.assert_close(flat, torch.cat([p.reshape(-1) for p in want.parameters()]))
+
+
 # -- refusals --------------------------------------------------------------------------------
 
 
@@ -227,3 +307,8 @@ def test_bad_topk_compressions_are_refused_before_any_worker_starts():
     with pytest.raises(ValueError, match=r"compress= applies to mode='sync' and 'diloco:H'.* "
                                          r"mode 'async' sends every tower's gradient"):  # fmt: skip
         _train("topk:0.02", mode="async")
+    own = r"mode 'sparseloco:4' sends its exchanges through its own compression .*"
+    with pytest.raises(ValueError, match=own + r"train in mode='diloco:4' with compress="):
+        _train("topk:0.02", mode="sparseloco:4")
+    with pytest.raises(ValueError, match=r"mode 'sparseloco:4' .* drop transform="):
+        _train(None, mode="sparseloco:4", transform=towers.transforms.allreduce())
