@@ -151,7 +151,7 @@ class TopK(Compression):
         f"the largest F of each chunk of {TOPK_CHUNK} values, BITS bits each (2, 4, 8 or 32, "
         "the default), with error feedback"
     )
-    example = "topk:0.02:4"
+    example = "topk:0.1"
     fields = (
         Real("F, the share of each chunk's values sent (0 < F < 1)", above=0.0, below=1.0),
         Int("BITS, the bits of each value sent (2, 4, 8 or 32)", minimum=2, optional=True),
