@@ -1,7 +1,8 @@
 """What each compression gives up: final held-out loss at equal steps, against uncompressed sync.
 
 Trains the digits CNN (8x8 digits) and the 784-1024-1024-10 MLP (the digits upscaled to 28x28)
-with ``compress=None, "bf16", "fp16", "int8", "powersgd:4"``, every arm on the same global
+with ``compress=None, "bf16", "fp16", "int8", "powersgd:4", "topk:0.1", "topk:0.02",
+"topk:0.02:2"``, every arm on the same global
 batches from the same start, and evaluates on held-out digits (the last 297 of 1797) every
 ``--every`` steps. A single evaluation moves by several percent from one step to the next, and
 any perturbation (even rounding) sends two runs on different paths, so each arm reports the
@@ -10,6 +11,7 @@ order (``seed 1``) to show how far two exact runs land apart. Timing is not the 
 ``benchmarks/two_hosts.py``). Results go to docs/compression.md::
 
     python benchmarks/compression_quality.py --workers 4 --out quality.json
+    python benchmarks/compression_quality.py --arms None,topk:0.02  # some arms only
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ ARMS: tuple[tuple[str | None, int], ...] = (
     ("fp16", 0),
     ("int8", 0),
     ("powersgd:4", 0),
+    ("topk:0.1", 0),
+    ("topk:0.02", 0),
+    ("topk:0.02:2", 0),
 )
 
 
@@ -67,11 +72,15 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=20, help="steps between evaluations")
     parser.add_argument("--models", default="cnn,mlp")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--arms", default=None, help="compressions to run (None: uncompressed)")
     args = parser.parse_args()
+    chosen = None if args.arms is None else args.arms.split(",")
     report: dict[str, dict[str, dict[str, float]]] = {}
     for name in args.models.split(","):
         report[name] = {}
         for arm, seed in ARMS:
+            if chosen is not None and (str(arm) not in chosen or seed):
+                continue
             label = f"{arm} (seed {seed})" if seed else str(arm)
             report[name][label] = got = run(name, arm, seed, args)
             base = report[name]["None"]["loss"]

@@ -69,7 +69,7 @@ def test_the_help_lists_every_registered_mode_and_compression(monkeypatch):
         assert f" {cls.usage()}," in flat or f" {cls.usage()} (default" in flat, cls.name
     assert "nap:N" in run and "every tower naps N times a step" in run
     default = _commands()["compare"].get_default("modes")
-    assert default == "sync,sync+balance,async,ssp:2,local:4,backup:1,diloco:4,nap:1"
+    assert default == "sync,sync+balance,async,ssp:2,local:4,backup:1,diloco:4,sparseloco:4,nap:1"
     for cls in COMPRESSIONS.values():
         assert cls.synopsis() in compare and cls.typical() in flat, cls.name
     assert "squeeze" in compare and "every value squeezed" in compare

@@ -16,7 +16,7 @@ from towers.engines.ps.worker import Gradients, LocalSteps
 
 
 def test_the_registry_holds_every_mode_in_order():
-    assert list(MODES) == ["sync", "async", "ssp", "local", "backup", "diloco"]
+    assert list(MODES) == ["sync", "async", "ssp", "local", "backup", "diloco", "sparseloco"]
     assert MODES["sync"] is modes.Sync and MODES["backup"] is modes.Backup
 
 
@@ -31,6 +31,7 @@ def test_the_registry_holds_every_mode_in_order():
         ("diloco:8", modes.Diloco, 8, Engine.SYNC),
         ("diloco:8:overlap", modes.Diloco, 8, Engine.SYNC),
         ("diloco:8:overlap:4", modes.Diloco, 8, Engine.SYNC),
+        ("sparseloco:8", modes.SparseLoco, 8, Engine.SYNC),
     ],
 )
 def test_parsed_modes_are_objects_that_say_how_they_run(text, cls, arg, engine):
@@ -53,7 +54,7 @@ def test_modes_with_different_arguments_or_names_differ():
     ("text", "error", "message"),
     [
         ("fast", ValueError, 'unknown mode \'fast\'; valid modes are "sync", "async", "ssp:S", '
-         '"local:K", "backup:B", "diloco:H"$'),
+         '"local:K", "backup:B", "diloco:H", "sparseloco:H"$'),
         ("sync:1", ValueError, "mode 'sync' takes no argument, got 'sync:1'"),
         ("ssp", ValueError, "mode 'ssp' needs an integer argument S, the most updates"),
         ("ssp:x", ValueError, "needs an integer argument"),
@@ -105,7 +106,7 @@ def test_a_new_mode_is_one_class_and_one_registration(monkeypatch):
     assert type(mode) is Sleepy and mode.arg == 3 and str(mode) == "sleepy:3"
     with pytest.raises(ValueError, match=r"mode 'sleepy' needs N, naps per step \(>= 2\)"):
         parse_mode("sleepy:1")
-    with pytest.raises(ValueError, match=r'"backup:B", "diloco:H", "sleepy:N"$'):
+    with pytest.raises(ValueError, match=r'"backup:B", "diloco:H", "sparseloco:H", "sleepy:N"$'):
         parse_mode("lazy")
 
     class Other(Sleepy):

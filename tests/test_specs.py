@@ -155,12 +155,12 @@ def test_a_new_compression_is_one_class_and_one_registration(monkeypatch):
     assert type(compression("halve:3")) is AllReduce
     with pytest.raises(ValueError, match=r"compression 'halve' needs N, how many times \(>= 1\)"):
         compression("halve:0")
-    with pytest.raises(ValueError, match=r'"int8", "powersgd:R", "halve:N"$'):
+    with pytest.raises(ValueError, match=r'"int8", "powersgd:R", "topk:F", "halve:N"$'):
         compression("zip")
 
 
 def test_the_registered_compressions_in_order():
-    assert list(COMPRESSIONS) == ["bf16", "fp16", "int8", "powersgd"]
+    assert list(COMPRESSIONS) == ["bf16", "fp16", "int8", "powersgd", "topk"]
     assert [str(compression(c.typical())) for c in COMPRESSIONS.values()][:3] == [
         "bf16",
         "fp16",

@@ -17,7 +17,9 @@ Example:
     ...         return bucket, state
     >>> towers.train(..., transform=chain(Half(), allreduce()))  # doctest: +SKIP
 
-``compression("powersgd:4")`` builds the transform that ``compress="powersgd:4"`` names.
+``compression("powersgd:4")`` builds the transform that ``compress="powersgd:4"`` names;
+``topk(share, bits, decay)`` the top-k sum with error feedback, also with a decayed residual
+(SparseLoCo's, ``mode="sparseloco:H"``).
 """
 
 from .engines.transforms import (
@@ -28,6 +30,7 @@ from .engines.transforms import (
     chain,
     compression,
     sum_tail,
+    topk,
 )
 
 __all__ = [
@@ -38,4 +41,5 @@ __all__ = [
     "chain",
     "compression",
     "sum_tail",
+    "topk",
 ]

@@ -119,10 +119,11 @@ class Context:
             transform: how each bucket of gradients is reduced over the towers (see
                 :mod:`towers.transforms`); default: a plain sum. Every rank passes the same.
             compress: a compression by name, as ``towers.train``'s (``"bf16"``, ``"fp16"``,
-                ``"int8"``, ``"powersgd:R"``); not with ``transform``.
+                ``"int8"``, ``"powersgd:R"``, ``"topk:F[:BITS]"``); not with ``transform``.
             mode: ``"sync"``, or ``"diloco:H"`` (and its ``:overlap`` forms, docs/diloco.md):
                 each :meth:`step` is then an inner step of this tower alone, and every H-th
                 also the outer step over all towers; call :meth:`end_period` after the loop.
+                ``"sparseloco:H"`` as ``"diloco:H"``, with SparseLoCo's exchange.
             outer_optimizer: ``"diloco:H"``: ``params -> Optimizer`` for the outer steps;
                 default Nesterov SGD with lr 0.7 and momentum 0.9.
             balance: :meth:`shards` splits each global batch in proportion to the ranks'

@@ -21,6 +21,7 @@ from ..core.transport import Transport
 from ..engines import checkpoint as checkpoint_files
 from ..engines.checkpoint import estimate_bytes
 from ..engines.job import Job, default_optimizer
+from ..engines.sync.mode import SyncMode
 from ..engines.transforms import check_transform, compression
 from ..processes.guard import check_main_guard
 from .balance import choose_balance, unbalanced_because
@@ -180,9 +181,16 @@ def reduction(transform: Any, compress: Any, model: Any, mode: Mode | None = Non
     Only the synchronous engine reduces buckets; a compression name is checked against the
     model's weights here, before any worker starts.
     """
+    given = "transform=" if compress is None else "compress="
+    if isinstance(mode, SyncMode) and (own := mode.transform()) is not None:
+        if transform is not None or compress is not None:
+            raise ValueError(
+                f"mode {str(mode)!r} sends its exchanges through its own compression ({own!r}); "
+                f"drop {given}, or train in mode='diloco:{mode.arg}' with {given}"
+            )
+        return own
     if transform is None and compress is None:
         return None
-    given = "transform=" if compress is None else "compress="
     if transform is not None and compress is not None:
         raise ValueError(
             "give transform= or compress=, not both; to combine a transform with a compression, "

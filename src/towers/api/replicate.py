@@ -50,7 +50,7 @@ def prepare(
     parsed = loop_mode(mode)
     check_mode_options(parsed, model, sync_batchnorm, group.elastic, outer_optimizer)
     world, rank = group.comm.world_size, group.comm.rank
-    reduced = reduction(transform, compress, model)
+    reduced = reduction(transform, compress, model, parsed)
     cuda = group.device.type == "cuda"
     because = unbalanced_because(model, sync_batchnorm, None, cuda, parsed, reduced)
     balanced = choose_balance(balance, parsed, world, because, "ctx.replicate", rank)

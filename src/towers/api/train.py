@@ -119,7 +119,9 @@ def train(
             the workers average their pseudo-gradients, weighted by samples, over all-reduce
             and ``outer_optimizer`` steps the shared parameters; ``"diloco:H:overlap"`` lets
             that exchange travel during the next H steps, ``"diloco:H:overlap:P"`` exchanges
-            the model in P fragments; see docs/diloco.md).
+            the model in P fragments; see docs/diloco.md); ``"sparseloco:H"`` (DiLoCo whose
+            pseudo-gradients travel as SparseLoCo's: top-k at 2 bits, with error feedback in
+            place of the outer momentum, and a plain SGD outer step of lr 1).
             In a job started by ``towers run --mode M``, the default ``"sync"`` becomes ``M``.
         optimizer: ``params -> Optimizer``; default SGD with lr 0.01.
         lr_schedule: ``optimizer -> LRScheduler``, stepped once per global batch, or once per
@@ -186,7 +188,9 @@ def train(
         compress: sync mode: send gradients compressed, for slow links between hosts:
             ``"bf16"`` or ``"fp16"`` (2 bytes a value, summed in float32), ``"int8"`` (1 byte
             a value, with error feedback), ``"powersgd:R"`` (rank-R factors of every weight
-            matrix, with error feedback and warm start; see docs/compression.md). Each gives up
+            matrix, with error feedback and warm start), ``"topk:F[:BITS]"`` (the largest F
+            of each chunk of 4096 values, float32 or BITS = 2, 4, 8 bits each, with error
+            feedback; see docs/compression.md). Each gives up
             some exactness for fewer bytes; ``None`` (default) sends every value exactly.
             In mode ``"diloco:H"`` it compresses the pseudo-gradients.
         outer_optimizer: mode ``"diloco:H"``: ``params -> Optimizer`` for the outer steps,

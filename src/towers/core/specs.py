@@ -89,7 +89,8 @@ class Int:
 
 @dataclass(frozen=True)
 class Real:
-    """A finite number in a range: ``above`` < x (exclusive), ``minimum`` <= x, x <= ``maximum``.
+    """A finite number in a range: ``above`` < x and x < ``below`` (exclusive), ``minimum`` <= x
+    and x <= ``maximum`` (inclusive).
 
     ``meaning`` as for :class:`Int`: ``"F, the share of values sent (0 < F <= 1)"``.
     """
@@ -99,6 +100,7 @@ class Real:
     minimum: float | None = None
     maximum: float | None = None
     optional: bool = False
+    below: float | None = None
 
     @property
     def letter(self) -> str:
@@ -117,6 +119,7 @@ class Real:
             (self.above is not None and value <= self.above)
             or (self.minimum is not None and value < self.minimum)
             or (self.maximum is not None and value > self.maximum)
+            or (self.below is not None and value >= self.below)
         ):
             raise ValueError(f"{spec.kind} {spec.name!r} needs {self.meaning}; got {text!r}")
         return value
@@ -129,6 +132,8 @@ class Real:
             return self.maximum
         if self.minimum is not None:
             return self.minimum
+        if self.below is not None:
+            return self.below - 1.0 if self.above is None else (self.above + self.below) / 2
         return 1.0 if self.above is None else self.above + 1.0
 
 

@@ -13,12 +13,13 @@ this module, so the modes are registered whenever an engine is.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
+import torch
 from torch import nn
 
 from ..core.modes import register
-from ..core.specs import Int, Word
+from ..core.specs import Field, Int, Word
 from .job import OptimizerFactory
 from .ps.mode import ServerMode
 from .ps.policies import AsyncPolicy, BackupPolicy, LocalPolicy, Policy, SspPolicy
@@ -26,8 +27,27 @@ from .ps.worker import LocalSteps, Role
 from .sync.diloco import Periods
 from .sync.mode import SyncMode
 from .sync.plan import StepPlan
+from .transforms import GradientTransform, topk
 
-__all__ = ["Async", "Backup", "Diloco", "Local", "Ssp", "Sync"]
+__all__ = [
+    "SPARSELOCO_BITS",
+    "SPARSELOCO_DECAY",
+    "SPARSELOCO_SHARE",
+    "Async",
+    "Backup",
+    "Diloco",
+    "Local",
+    "SparseLoco",
+    "Ssp",
+    "Sync",
+    "sparseloco_outer_optimizer",
+]
+
+# SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706): 64 of every 4096 values (1.6%), 2 bits
+# each, and an error-feedback accumulator decayed by 0.95 in place of the outer momentum
+SPARSELOCO_SHARE = 1 / 64
+SPARSELOCO_BITS = 2
+SPARSELOCO_DECAY = 0.95
 
 
 @register
@@ -114,7 +134,7 @@ class Diloco(SyncMode):
     title = "DiLoCo"
     help = "each tower takes H steps alone, then an outer step on the averaged pseudo-gradients"
     example = "diloco:4"
-    fields = (
+    fields: ClassVar[tuple[Field, ...]] = (
         Int("H, the inner steps between outer steps (>= 1)", minimum=1),
         Word("overlap"),
         Int(
@@ -171,3 +191,32 @@ class Diloco(SyncMode):
                 f"of each of its {saved} workers, this run has {workers}: resume with "
                 f"workers={saved}, or use another checkpoint directory"
             )
+
+
+def sparseloco_outer_optimizer(params: Any) -> torch.optim.Optimizer:
+    """SparseLoCo's outer step: plain SGD of lr 1, the mean sparse update applied as it is."""
+    return torch.optim.SGD(params, lr=1.0)
+
+
+@register
+@dataclass(frozen=True)
+class SparseLoco(Diloco):
+    """``sparseloco:H``: DiLoCo whose pseudo-gradients travel as SparseLoCo's (Sarfi et al.
+    2025): the top 1/64 of each chunk of 4096 values, 2 bits each, with an error-feedback
+    accumulator decayed by 0.95 that replaces the outer momentum; the outer step is plain SGD
+    of lr 1 (docs/diloco.md)."""
+
+    name = "sparseloco"
+    title = "SparseLoCo"
+    help = (
+        "DiLoCo with SparseLoCo's exchange: the top 1/64 of each chunk at 2 bits, error "
+        "feedback (decay 0.95) in place of outer momentum"
+    )
+    example = "sparseloco:4"
+    fields = (Int("H, the inner steps between outer steps (>= 1)", minimum=1),)
+
+    def plan(self, outer_optimizer: OptimizerFactory | None = None) -> StepPlan:
+        return Periods(cast(int, self.arg), outer_optimizer or sparseloco_outer_optimizer)
+
+    def transform(self) -> GradientTransform:
+        return topk(SPARSELOCO_SHARE, bits=SPARSELOCO_BITS, decay=SPARSELOCO_DECAY)

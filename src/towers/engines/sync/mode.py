@@ -14,6 +14,7 @@ from torch import nn
 
 from ...core.modes import Engine, Mode
 from ..job import OptimizerFactory
+from ..transforms import GradientTransform
 from .plan import EveryStep, StepPlan
 
 __all__ = ["SyncMode", "plan_for"]
@@ -32,6 +33,11 @@ class SyncMode(Mode):
     def plan(self, outer_optimizer: OptimizerFactory | None = None) -> StepPlan:
         """A fresh step plan for one rank."""
         return EveryStep()
+
+    def transform(self) -> GradientTransform | None:
+        """The reduction the mode itself sends its sums through (SparseLoCo's top-k), which
+        ``compress=`` and ``transform=`` may not replace; ``None``: theirs, or the plain sum."""
+        return None
 
     def check_options(self, model: nn.Module, *, sync_batchnorm: bool, elastic: bool) -> None:
         """``ValueError`` for a model or options this mode cannot serve (checked before any

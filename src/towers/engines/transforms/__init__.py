@@ -21,6 +21,7 @@ from .base import (
 from .coded import CodedSum
 from .compressions import COMPRESSIONS, Compression, compression
 from .powersgd import PowerSGD, compressible
+from .topk import TopKSum, topk
 
 __all__ = [
     "COMPRESSIONS",
@@ -32,6 +33,7 @@ __all__ = [
     "Compression",
     "GradientTransform",
     "PowerSGD",
+    "TopKSum",
     "allreduce",
     "chain",
     "check_transform",
@@ -39,6 +41,7 @@ __all__ = [
     "compression",
     "start_from",
     "sum_tail",
+    "topk",
 ]
 
 

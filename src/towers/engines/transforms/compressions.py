@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
-from ...core.codecs import Bf16Codec, Fp16Codec, Int8Codec
-from ...core.specs import Spec, add, parse
+from ...core.codecs import TOPK_BITS, TOPK_CHUNK, Bf16Codec, Fp16Codec, Int8Codec
+from ...core.specs import Int, Real, Spec, add, parse
 from .base import GradientTransform
 from .coded import CodedSum
 from .powersgd import PowerSGD, compressible
+from .topk import TopKSum
 
 __all__ = ["COMPRESSIONS", "Compression", "compression", "register"]
 
@@ -136,6 +137,39 @@ class PowerSgd(Compression):
             "matrix is compressed when its rank-R factors are at least 2x smaller than it): "
             "choose a smaller rank, or compress='bf16'"
         )
+
+
+@register
+@dataclass(frozen=True)
+class TopK(Compression):
+    """``topk:F[:BITS]``: the :class:`~towers.engines.transforms.topk.TopKSum` transform, the
+    largest F of each chunk of 4096 values, BITS bits each (default 32), with error feedback."""
+
+    name = "topk"
+    title = "top-k"
+    help = (
+        f"the largest F of each chunk of {TOPK_CHUNK} values, BITS bits each (2, 4, 8 or 32, "
+        "the default), with error feedback"
+    )
+    example = "topk:0.1"
+    fields = (
+        Real("F, the share of each chunk's values sent (0 < F < 1)", above=0.0, below=1.0),
+        Int("BITS, the bits of each value sent (2, 4, 8 or 32)", minimum=2, optional=True),
+    )
+
+    share: float = 0.5
+    bits: int = 32
+
+    def check(self) -> None:
+        if self.bits not in TOPK_BITS:
+            widths = ", ".join(map(str, TOPK_BITS[:-1])) + f" or {TOPK_BITS[-1]}"
+            raise ValueError(
+                f"compression {str(self)!r}: BITS must be {widths} (the widths the values are "
+                f"packed in), got {self.bits}; e.g. {self.name}:{self.share!r}:2"
+            )
+
+    def transform(self) -> GradientTransform:
+        return cast(GradientTransform, TopKSum(self.share, self.bits))
 
 
 def _rest(shape: Sequence[int]) -> int:

@@ -1,0 +1,314 @@
+"""Sparse sums: compress="topk:F[:BITS]" and mode="sparseloco:H".
+
+Training with top-k is compared with the same arithmetic written out in one process in plain
+torch (:func:`sparsify`, from docs/compression.md's description, not from the codec): every
+tower's weighted gradient plus its residual, the largest values of each chunk of 4096 kept and
+quantised, the rest carried to the next step, the kept values summed in rank order and divided
+by the samples. The model has more than 4096 parameters, so its one bucket is two chunks.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import pytest
+import torch
+from helpers import assert_close_lists, assert_same_parameters
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import towers
+from towers.core.codecs import TopKCodec
+from towers.engines.transforms import TopKSum, compression
+
+CHUNK = 4096
+SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+INNER = functools.partial(torch.optim.SGD, lr=0.05)
+
+
+def wide_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 512), nn.Tanh(), nn.Linear(512, 1))  # 5121 parameters
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(45, 8, generator=g)
+    return x, (x @ torch.randn(8, 1, generator=g)).sin()
+
+
+DATA = _data()
+
+
+def mse(model: nn.Module, shard) -> torch.Tensor:
+    x, y = shard
+    return (model(x) - y).square().mean()
+
+
+# -- the reference, in plain torch ----------------------------------------------------------
+
+
+def sparsify(x: torch.Tensor, share: float, bits: int) -> torch.Tensor:
+    """What one tower sends of ``x``: per chunk of 4096 values, the ``ceil(share * 4096)``
+    largest magnitudes, at ``bits`` < 32 each a sign and the nearest of ``2**(bits-1)`` levels
+    spread evenly from the smallest kept magnitude to the largest; zero elsewhere."""
+    out = torch.zeros_like(x)
+    size = min(CHUNK, x.numel())
+    kept = math.ceil(share * size)
+    for start in range(0, x.numel(), size):
+        part = x[start : start + size]
+        order = part.abs().argsort(descending=True)[: min(kept, part.numel())]
+        values = part[order]
+        if bits < 32:
+            mags = values.abs()
+            lo, hi, top = mags.min(), mags.max(), 2 ** (bits - 1) - 1
+            level = torch.round((mags - lo) / (hi - lo) * top) if hi > lo else mags * 0
+            values = torch.where(values < 0, -1.0, 1.0) * (lo + level * ((hi - lo) / top))
+        out[start + order] = values
+    return out
+
+
+def _flat(tensors) -> torch.Tensor:
+    # one bucket, its parameters in reverse order (as DDP's buckets, docs/architecture.md)
+    return torch.cat([t.reshape(-1) for t in reversed(list(tensors))])
+
+
+def _unflat(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for p in reversed(like):
+        out.append(flat[at : at + p.numel()].view_as(p))
+        at += p.numel()
+    return out[::-1]
+
+
+def _batches(steps: int, batch_size: int = 10) -> list:
+    loader = DataLoader(TensorDataset(*DATA), batch_size, shuffle=False)
+    return [b for _ in range(-(-steps // len(loader))) for b in loader][:steps]
+
+
+def sync_reference(share: float, bits: int, steps: int, workers: int):
+    """Synchronous top-k with error feedback, one tower after another in one process."""
+    model = wide_net()
+    params = list(model.parameters())
+    opt = SGD(params)
+    residual = [torch.zeros(sum(p.numel() for p in params)) for _ in range(workers)]
+    losses = []
+    for batch in _batches(steps):
+        sent, loss_sum, total = None, 0.0, 0
+        for t, shard in enumerate(towers.split(tuple(batch), workers)):
+            n = len(shard[0])
+            model.zero_grad()
+            loss = mse(model, shard)
+            (loss * n).backward()
+            values = residual[t] + _flat(p.grad for p in params)
+            c = sparsify(values, share, bits)
+            residual[t] = values - c
+            sent = c if sent is None else sent + c
+            loss_sum, total = loss_sum + loss.item() * n, total + n
+        for p, g in zip(params, _unflat(sent / total, params)):
+            p.grad = g.clone()
+        opt.step()
+        losses.append(loss_sum / total)
+    return model, losses
+
+
+def sparseloco_reference(every: int, steps: int, workers: int) -> tuple[nn.Module, list[float]]:
+    """SparseLoCo in one process: H inner steps per tower, ``e <- 0.95 e + w * delta``, send
+    the top 1/64 at 2 bits, ``e <- e - sent``, outer SGD of lr 1 on the mean of what was sent."""
+    outer = wide_net()
+    outer_opt = torch.optim.SGD(outer.parameters(), lr=1.0)
+    n = sum(p.numel() for p in outer.parameters())
+    residual = [torch.zeros(n) for _ in range(workers)]
+    local = [copy.deepcopy(outer) for _ in range(workers)]
+    inner = [INNER(m.parameters()) for m in local]
+    weights, losses = [0] * workers, []
+    for k, batch in enumerate(_batches(steps)):
+        loss_sum, total = 0.0, 0
+        for t, shard in enumerate(towers.split(tuple(batch), workers)):
+            inner[t].zero_grad()
+            loss = mse(local[t], shard)
+            loss.backward()
+            inner[t].step()
+            weights[t] += len(shard[0])
+            loss_sum, total = loss_sum + loss.item() * len(shard[0]), total + len(shard[0])
+        losses.append(loss_sum / total)
+        if (k + 1) % every:
+            continue
+        sent = None
+        for t in range(workers):
+            pairs = zip(outer.parameters(), local[t].parameters())
+            delta = _flat((o.detach() - m.detach()).mul_(weights[t]) for o, m in pairs)
+            values = residual[t] * 0.95 + delta
+            c = sparsify(values, 1 / 64, 2)
+            residual[t] = values - c
+            sent = c if sent is None else sent + c
+        outer_params = list(outer.parameters())
+        for p, g in zip(outer_params, _unflat(sent / sum(weights), outer_params)):
+            p.grad = g.clone()
+        outer_opt.step()
+        for m in local:
+            m.load_state_dict(outer.state_dict())
+        weights = [0] * workers
+    return outer, losses
+
+
+# -- the codec, without processes -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8, 32])
+def test_the_codec_sends_what_the_reference_keeps(bits):
+    g = torch.Generator().manual_seed(bits)
+    for n, share in ((10_000, 0.02), (4096, 0.1), (37, 0.05)):
+        x = torch.randn(n, generator=g) * 1e-3
+        codec = TopKCodec(share, bits)
+        data = codec.encode(x)
+        assert data.dtype == torch.uint8 and data.numel() == codec.nbytes(n)
+        back = codec.decode(data, n)
+        want = sparsify(x, share, bits)
+        torch.testing.assert_close(back, want, rtol=1e-6, atol=0.0)
+        kept = math.ceil(share * min(n, CHUNK)) * -(-n // CHUNK)
+        assert int((back != 0).sum()) == kept
+    # the bytes: 2 for each place, BITS for each value, 8 per chunk for the scales
+    assert TopKCodec(0.02, 2).nbytes(8192) == 2 * 82 * 2 + 2 * 82 * 2 // 8 + 2 * 8
+    assert TopKCodec(0.02).nbytes(8192) == 2 * 82 * (2 + 4)
+
+
+@pytest.mark.parametrize("bits", [2, 32])
+def test_a_non_finite_value_arrives_as_one(bits):
+    for bad in (math.nan, math.inf, -math.inf):
+        x = torch.ones(5000)
+        x[4500] = bad
+        back = TopKCodec(0.01, bits).decode(TopKCodec(0.01, bits).encode(x), 5000)
+        assert not torch.isfinite(back[4096:]).all() and torch.isfinite(back[:4096]).all()
+
+
+# -- training against the reference ---------------------------------------------------------
+
+
+def _train(compress=None, steps=8, workers=3, **kwargs):
+    kwargs.setdefault("optimizer", SGD)
+    return towers.train(
+        wide_net(), mse, DATA, batch_size=10, steps=steps, workers=workers, compress=compress,
+        shuffle=False, progress=False, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("spec", "share", "bits"), [("topk:0.02:2", 0.02, 2), ("topk:0.05", 0.05, 32)]
+)
+def test_topk_equals_the_same_arithmetic_in_one_process(spec, share, bits):
+    # batches of 10 over 3 towers: shards of 4, 3, 3 (the epoch's last batch: 2, 2, 1)
+    got = _train(spec, steps=9)
+    want, losses = sync_reference(share, bits, steps=9, workers=3)
+    assert_same_parameters(got.model, want)
+    assert_close_lists(got.losses, losses)  # the metadata travels exactly
+    assert got.skipped == []
+
+
+@pytest.mark.timeout(120)
+def test_a_share_close_to_one_at_32_bits_is_the_plain_sum():
+    plain = _train(None)
+    whole = _train("topk:0.9999")  # ceil(0.9999 * 4096) = 4096: every value, as it is
+    assert_same_parameters(whole.model, plain.model)
+    assert_close_lists(whole.losses, plain.losses)
+
+
+def _own_loop():
+    ctx = towers.init()
+    model = ctx.replicate(wide_net(), compress="topk:0.02:2")
+    opt = SGD(model.parameters())
+    for shard in ctx.shards(_batches(6)):
+        ctx.step(mse(model, shard), opt)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ctx.close()
+    return flat
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_ends_with_the_same_parameters_to_the_last_bit():
+    flats = towers.spawn(_own_loop, 3)
+    assert all(torch.equal(flats[0], f) for f in flats[1:])
+    want, _ = sync_reference(0.02, 2, steps=6, workers=3)
+    torch.testing.assert_close(
+        flats[0], torch.cat([p.detach().reshape(-1) for p in want.parameters()])
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_topk_run_equals_an_uninterrupted_one(tmp_path):
+    whole = _train("topk:0.02:2", steps=12, workers=2)
+    _train("topk:0.02:2", steps=6, workers=2, checkpoint=tmp_path, checkpoint_every=6)
+    resumed = _train("topk:0.02:2", steps=12, workers=2, checkpoint=tmp_path)
+    assert_same_parameters(resumed.model, whole.model, rtol=1e-6, atol=1e-7)
+    assert_close_lists(resumed.losses, whole.losses, rtol=1e-6)
+
+
+# -- SparseLoCo -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_sparseloco_equals_sparseloco_in_one_process():
+    got = _train(None, steps=9, mode="sparseloco:3", optimizer=INNER)
+    want, losses = sparseloco_reference(every=3, steps=9, workers=3)
+    assert_same_parameters(got.model, want)
+    assert_close_lists(got.losses, losses)
+    assert got.mode == "sparseloco:3" and got.skipped == []
+    spelled = _train(
+        None, steps=9, mode="diloco:3", optimizer=INNER,
+        transform=towers.transforms.topk(1 / 64, bits=2, decay=0.95),
+        outer_optimizer=functools.partial(torch.optim.SGD, lr=1.0),
+    )  # fmt: skip
+    assert_same_parameters(spelled.model, got.model, rtol=0.0, atol=0.0)
+
+
+def _sparseloco_loop():
+    ctx = towers.init()
+    model = ctx.replicate(wide_net(), mode="sparseloco:3")
+    opt = INNER(model.parameters())
+    for shard in ctx.shards(_batches(9)):
+        ctx.step(mse(model, shard), opt)
+    ctx.end_period()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ctx.close()
+    return flat
+
+
+@pytest.mark.timeout(120)
+def test_the_own_loop_trains_sparseloco_too():
+    flats = towers.spawn(_sparseloco_loop, 3)
+    want, _ = sparseloco_reference(every=3, steps=9, workers=3)
+    for flat in flats:
+        torch.testing.assert_close(flat, torch.cat([p.reshape(-1) for p in want.parameters()]))
+
+
+# -- refusals --------------------------------------------------------------------------------
+
+
+def test_bad_topk_compressions_are_refused_before_any_worker_starts():
+    for bad, message in (
+        ("topk:0", r"compression 'topk' needs F, the share of each chunk's values sent "
+                   r"\(0 < F < 1\); got 'topk:0'$"),
+        ("topk:1.5", r"needs F, .* \(0 < F < 1\); got 'topk:1.5'$"),
+        ("topk:1", r"needs F, .* \(0 < F < 1\); got 'topk:1'$"),
+        ("topk:x", r"needs a number F"),
+        ("topk:0.02:3", r"compression 'topk:0.02:3': BITS must be 2, 4, 8 or 32 "),
+        ("topk:0.02:1", r"needs BITS, the bits of each value sent \(2, 4, 8 or 32\)"),
+        ("topk:0.02:2:1", r"top-k compressions are written 'topk:F' or 'topk:F:BITS'$"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            compression(bad)
+        with pytest.raises(ValueError, match=message):
+            _train(bad)
+    assert isinstance(compression("topk:0.02:2"), TopKSum)
+    assert str(compression("topk:0.02:2")) == "topk:0.02:2"
+    with pytest.raises(ValueError, match=r"compress= applies to mode='sync' and 'diloco:H'.* "
+                                         r"mode 'async' sends every tower's gradient"):  # fmt: skip
+        _train("topk:0.02", mode="async")
+    own = r"mode 'sparseloco:4' sends its exchanges through its own compression .*"
+    with pytest.raises(ValueError, match=own + r"train in mode='diloco:4' with compress="):
+        _train("topk:0.02", mode="sparseloco:4")
+    with pytest.raises(ValueError, match=r"mode 'sparseloco:4' .* drop transform="):
+        _train(None, mode="sparseloco:4", transform=towers.transforms.allreduce())
