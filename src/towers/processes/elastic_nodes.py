@@ -16,10 +16,13 @@ store's keys:
 - ``finishing``: a worker has finished (every member has done every step): no more
   replacements, and latecomers are stopped by their own node.
 - ``abort``: a worker failed (exited non-zero): every node stops its workers and exits.
-- ``node/<r>/beat``, ``node/<r>/done``: each launcher's tick counter, and that it has no
-  workers left. Node 0 keeps the store up until every node is done; a node whose launcher
-  falls silent for :data:`NODE_HANG` seconds is lost with all its workers (they die with their
-  launcher), and the others train on. A node that loses node 0 (the store) stops.
+- ``node/<r>/beat``, ``node/<r>/done``: each launcher's heartbeat (counted up every 0.2 s by a
+  thread of its own, :class:`~towers.comm.membership.Pulse`, so that a launcher whose main
+  loop is starved on a loaded machine still shows it is alive), and that it has no workers
+  left. Node 0 keeps the store up until every node is done; a node whose launcher falls silent
+  for the node timeout (:func:`node_timeout_of`: a quarter of the job's timeout unless given) is
+  lost with all its workers (they die with their launcher), and the others train on. A node
+  that loses node 0 (the store) stops.
 - ``node/<r>/dropped``, ``lost/<id>``: node 0 dropped node ``r`` (silent, not necessarily
   dead: a network partition), and when. Node ``r``, if it comes back, stops with a line of its
   own; its workers, dropped, stop too, and are not taken for failed workers.
@@ -43,7 +46,7 @@ from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
-from ..comm.membership import WatchedStore, clock, key, open_store
+from ..comm.membership import Pulse, WatchedStore, clock, key, open_store
 from ..comm.rendezvous import choose_interface
 from ..comm.store import ForeignJob, get_signed
 from ..core.secret import JobSecret
@@ -52,10 +55,32 @@ from .elastic_workers import Worker, script_starter
 from .env import worker_env
 from .spawn import WorkerError
 
-__all__ = ["NODE_HANG", "NodeDropped", "Nodes", "run_script_nodes"]
+__all__ = ["NodeDropped", "Nodes", "node_timeout_of", "run_script_nodes"]
 
-# A launcher ticks every 0.1 s; one silent this long is lost, with its node's workers.
-NODE_HANG = 5.0
+
+def node_timeout_of(timeout: float, given: float | None = None) -> float:
+    """Seconds of silence after which node 0 drops a node: ``given``, else ``timeout / 4``.
+
+    It must stay below the job's timeout: across a partition the other nodes' workers wait in
+    a sum with the silent node's for up to the timeout, and the node cut off stops itself after
+    it; dropping the silent node first lets them go on. A quarter (15 s for the default 60 s,
+    as torchrun's rendezvous keep-alive: 3 missed beats of 5 s) leaves a starved or briefly
+    stopped launcher seconds to spare.
+
+    Raises:
+        ValueError: ``given`` is not a positive number of seconds below ``timeout``.
+    """
+    if given is None:
+        return timeout / 4
+    if isinstance(given, bool) or not isinstance(given, (int, float)):
+        raise ValueError(f"--node-timeout must be a number of seconds, got {given!r}")
+    if not 0 < given < timeout:
+        raise ValueError(
+            f"--node-timeout must be above 0 and below --timeout ({timeout:g} s), got {given:g}: "
+            "a node silent that long is dropped, and the other nodes' workers must not time out "
+            f"waiting for it first (default: a quarter of --timeout, {timeout / 4:g} s)"
+        )
+    return float(given)
 
 
 class NodeDropped(Exception):
@@ -77,8 +102,10 @@ class Nodes:
         port: int,
         timeout: float,
         secret: str | None = None,
+        node_timeout: float | None = None,
     ):
         self.nproc, self.nnodes, self.node = nproc, nnodes, node
+        self.silence = node_timeout_of(timeout, node_timeout)  # a node silent this long is dropped
         self.workers, self.max_restarts = nproc * nnodes, max_restarts
         self.addr, self.port, self.timeout = addr, port, timeout
         self.secret = secret  # the workers get it; it signs the membership records
@@ -104,6 +131,9 @@ class Nodes:
         self._same_width()
         if self.coordinator:
             self.generations.publish(list(range(self.workers)))
+        # the heartbeat's own client: node 0 watches it; the main loop's calls are watched here
+        beat = open_store(addr, port, timeout, signer)
+        self.pulse = Pulse(beat, f"node/{node}/beat", every=min(0.2, self.silence / 10))
 
     def join(self, running: Mapping[int, Worker]) -> list[int]:
         self.running = running
@@ -136,7 +166,7 @@ class Nodes:
             f"job at {clock(since)}: node 0's store at {self.addr}:{self.port} has not answered "
             f"for {self.timeout:g} s (the timeout); a network partition, or node 0 stopped. This "
             f"node's workers {workers} are stopped (node 0 drops a node silent for "
-            f"{NODE_HANG:g} s, and the others train on)",
+            f"{self.silence:g} s, and the others train on)",
             file=sys.stderr,
             flush=True,
         )
@@ -230,7 +260,6 @@ class Nodes:
                 f"{info['silent']:g} s (a network partition, or this host stalled). Its workers "
                 f"{sorted(self.running)} are stopped; the others train on without them"
             )
-        self.store.add(f"node/{self.node}/beat", 1)
         if self.finishing:
             self._tell("finishing")
         elif self.store.check(["finishing"]):
@@ -271,7 +300,7 @@ class Nodes:
                 continue
             if seen is None or seen[0] != count:
                 self.node_beats[r] = (count, now)
-            elif now - seen[1] > NODE_HANG:
+            elif now - seen[1] > self.silence:
                 self._node_lost(r, time.time() - (now - seen[1]))
 
     def _node_of(self, wid: int) -> int:
@@ -286,13 +315,13 @@ class Nodes:
         latest, waiting = self.generations.latest, self.generations.waiting
         lost = [w for w in sorted(set(latest) | waiting) if self._node_of(w) == r]
         print(
-            f"towers run: node {r}'s launcher has been silent for {NODE_HANG:g} s; its "
+            f"towers run: node {r}'s launcher has been silent for {self.silence:g} s; its "
             f"workers {lost} are lost",
             file=sys.stderr,
             flush=True,
         )
-        self.store.set(f"node/{r}/dropped", json.dumps({"at": at, "silent": NODE_HANG}))
-        why = f"node {r}'s towers run was silent for {NODE_HANG:g} s"
+        self.store.set(f"node/{r}/dropped", json.dumps({"at": at, "silent": self.silence}))
+        why = f"node {r}'s towers run was silent for {self.silence:g} s"
         for wid in lost:
             self._forget(wid, at, why)
 
@@ -315,11 +344,14 @@ def run_script_nodes(
     max_restarts: int = 0,
     timeout: float = 60.0,
     secret: str | None = None,
+    node_timeout: float | None = None,
 ) -> int:
     """One node of ``towers run --elastic --nnodes M``: supervise this node's ``nproc`` workers.
 
     ``secret`` is the job's, the same on every node (``TOWERS_SECRET``, ``--secret-file``); a
-    node whose secret differs from node 0's is refused at once. Returns 0 when every worker of
+    node whose secret differs from node 0's is refused at once. ``node_timeout``: seconds of
+    silence after which node 0 drops a node (``--node-timeout``, :func:`node_timeout_of`).
+    Returns 0 when every worker of
     this node that was not lost has exited 0 (on node 0: and every other node is done), else the
     failed worker's exit code, or 1 if the store is lost or refused this node.
     """
@@ -328,7 +360,7 @@ def run_script_nodes(
     where = f"node {node_rank}"
     nodes: Nodes | None = None
     sup: Supervisor | None = None
-    place = (nproc, nnodes, node_rank, max_restarts, addr, port, timeout, secret)
+    place = (nproc, nnodes, node_rank, max_restarts, addr, port, timeout, secret, node_timeout)
     try:
         nodes = Nodes(*place)
         sup = Supervisor(nodes, start, min(HANG_SECONDS, timeout), timeout)
@@ -362,6 +394,8 @@ def run_script_nodes(
     finally:
         if sup is not None:
             sup.stop()
+        if nodes is not None:
+            nodes.pulse.close()
     if nodes.coordinator and nodes.gone:
         replaced = min(nodes.store.add("restarts", 0), max_restarts)
         print(
