@@ -268,7 +268,7 @@ def test_nodes_with_different_widths_stop_with_the_reason(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_node_that_never_connects_fails_the_job_after_the_timeout(tmp_path, capsys):
-    from towers.processes.elastic_nodes import run_script_nodes
+    from towers.processes.elastic_launch import run_script_nodes
 
     args = ["--progress", str(tmp_path), "--out", str(tmp_path)]
     port = random.randrange(40000, 50000)

@@ -182,7 +182,7 @@ def _secret(path: str | None) -> str | None:
 
 
 def _run_nodes(args: argparse.Namespace, processes: int, timeout: float, secret: str | None) -> int:
-    from ..processes.elastic_nodes import run_script_nodes
+    from ..processes.elastic_launch import run_script_nodes
 
     if args.port is None or not 0 <= args.node_rank < args.nnodes:
         print(
