@@ -11,8 +11,10 @@ store's keys:
 
 - ``notices`` / ``notice/<n>``: the n-th loss (a worker id and when), posted by the node that
   killed it; node 0 marks the generations it was in as failed and publishes the next one.
-- ``restarts``: replacements started, job-wide (at most ``--max-restarts``); the n-th gets id
-  ``M * N + n - 1`` and ``node_of/<id>`` names its node. Node 0 lets it in once it is built.
+- ``restarts``: replacements started, job-wide (at most ``--max-restarts``). ``ids``: the
+  newcomers' ids given out (replacements and the workers of a node that rejoins), the n-th is
+  ``M * N + n - 1``, and ``node_of/<id>`` names its node. Node 0 lets each in once it is built,
+  at the members' next step, and a live member sends it the state.
 - ``finishing``: a worker has finished (every member has done every step): no more
   replacements, and latecomers are stopped by their own node.
 - ``abort``: a worker failed (exited non-zero): every node stops its workers and exits.
@@ -24,8 +26,10 @@ store's keys:
   lost with all its workers (they die with their launcher), and the others train on. A node
   that loses node 0 (the store) stops.
 - ``node/<r>/dropped``, ``lost/<id>``: node 0 dropped node ``r`` (silent, not necessarily
-  dead: a network partition), and when. Node ``r``, if it comes back, stops with a line of its
-  own; its workers, dropped, stop too, and are not taken for failed workers.
+  dead: a network partition, a stopped host), and when. Node ``r``, if it hears from the job
+  again before it ends, stops its dropped workers (not taken for failed ones), starts as many
+  newcomers, and says ``node/<r>/back``: node 0 watches it again. If the job is ending, it
+  stops with a line of its own instead.
 
 Across a network partition node 0's store neither answers nor fails: every other node's
 launcher times its calls to the store (:class:`~towers.comm.membership.WatchedStore`), and
@@ -81,8 +85,8 @@ def node_timeout_of(timeout: float, given: float | None = None) -> float:
 
 
 class NodeDropped(Exception):
-    """Node 0 dropped this node (it heard nothing from it for a while): it stops, the job
-    goes on."""
+    """Node 0 dropped this node (it heard nothing from it for a while) and the job is ending,
+    so nothing is left to rejoin: it stops, the job goes on."""
 
 
 class Nodes:
@@ -109,6 +113,7 @@ class Nodes:
         self.signer = signer = None if secret is None else JobSecret(secret)
         self.running: Mapping[int, Worker] = {}
         self.coordinator = node == 0
+        self.away: set[int] = set()  # nodes dropped, until they come back (node 0)
         if self.coordinator:
             self.store = _host_store(addr, port, timeout, signer)
         else:  # refused at once if node 0's store is another job's, or has another secret
@@ -195,12 +200,15 @@ class Nodes:
             self._read_notices()
         if not replace or self.finishing:
             return None
-        n = self.store.add("restarts", 1)
-        if n > self.max_restarts:
+        if self.store.add("restarts", 1) > self.max_restarts:
             return None
-        new = self.workers + n - 1
+        return self._new_id(self.local_rank[wid])
+
+    def _new_id(self, local: int) -> int:
+        """A newcomer's id, job-wide, for this node's local rank ``local``."""
+        new = self.workers + self.store.add("ids", 1) - 1
         self.store.set(f"node_of/{new}", str(self.node))
-        self.local_rank[new] = self.local_rank[wid]
+        self.local_rank[new] = local
         self.local_new.add(new)
         return new
 
@@ -222,8 +230,7 @@ class Nodes:
             self.generations.drop(wid, at)
 
     def _admit(self) -> None:
-        started = min(self.store.add("restarts", 0), self.max_restarts)
-        for new in range(self.workers, self.workers + started):
+        for new in range(self.workers, self.workers + self.store.add("ids", 0)):
             if new not in self.generations.admitted and new not in self.gone:
                 self.generations.waiting.add(new)
         self.generations.admit()
@@ -247,16 +254,10 @@ class Nodes:
             self.store.set(name, "1")
             self.told.add(name)
 
-    def tick(self, finishing: bool) -> list[int]:
+    def tick(self, finishing: bool) -> tuple[list[int], list[int]]:
         self.finishing = self.finishing or finishing
         if not self.coordinator and self.store.check([f"node/{self.node}/dropped"]):
-            info = json.loads(self.store.get(f"node/{self.node}/dropped"))
-            raise NodeDropped(
-                f"this node (host {socket.gethostname()}) was dropped from the job at "
-                f"{clock(info['at'])}: node 0 heard nothing from its towers run for "
-                f"{info['silent']:g} s (a network partition, or this host stalled). Its workers "
-                f"{sorted(self.running)} are stopped; the others train on without them"
-            )
+            return self._rejoin()
         if self.finishing:
             self._tell("finishing")
         elif self.store.check(["finishing"]):
@@ -270,14 +271,48 @@ class Nodes:
             self._read_notices()
             self._watch_nodes()
         if self.finishing:
-            return self._latecomers()
+            return self._latecomers(), []
         if self.coordinator:
             self._admit()
-        return []
+        return [], []
+
+    def _rejoin(self) -> tuple[list[int], list[int]]:
+        """Node 0 dropped this node, which hears from the job again: stop the dropped workers
+        and start as many newcomers, let in at the members' next step with the state of a live
+        peer (as replacements are, and not counted as restarts). Returns (stop, start).
+
+        Raises:
+            NodeDropped: the job is ending: nothing is left to rejoin.
+        """
+        info = json.loads(self.store.get(f"node/{self.node}/dropped"))
+        old = sorted(self.running)
+        said = (
+            f"this node (host {socket.gethostname()}) was dropped from the job at "
+            f"{clock(info['at'])}: node 0 heard nothing from its towers run for "
+            f"{info['silent']:g} s (a network partition, or this host stalled). Its workers "
+            f"{old} are stopped"
+        )
+        if self.finishing or self.store.check(["finishing"]):
+            raise NodeDropped(f"{said}; the others train on without them")
+        self.store.delete_key(f"node/{self.node}/dropped")
+        new = [self._new_id(local) for local in range(self.nproc)]
+        self.store.add(f"node/{self.node}/back", 1)
+        print(
+            f"towers run (node {self.node}): {said}; it rejoins with workers {new}, let in at "
+            "the job's next step",
+            file=sys.stderr,
+            flush=True,
+        )
+        return old, new
 
     def _watch_nodes(self) -> None:
         now = time.monotonic()
         for r in range(self.nnodes):
+            if r in self.away and self.store.check([f"node/{r}/back"]):
+                self.store.delete_key(f"node/{r}/back")  # it rejoins: watch it again
+                self.away.discard(r)
+                self.nodes_done.discard(r)
+                self.node_beats.pop(r, None)
             if r in self.nodes_done:
                 continue
             if self.store.check([f"node/{r}/done"]):
@@ -307,8 +342,10 @@ class Nodes:
         return int(self.store.get(name)) if self.store.check([name]) else -1
 
     def _node_lost(self, r: int, at: float) -> None:
-        """Node ``r``'s launcher is silent: its workers are lost (they die with it)."""
+        """Node ``r``'s launcher is silent: its workers are lost (they die with it, or it stops
+        them if it comes back)."""
         self.nodes_done.add(r)
+        self.away.add(r)
         latest, waiting = self.generations.latest, self.generations.waiting
         lost = [w for w in sorted(set(latest) | waiting) if self._node_of(w) == r]
         print(
