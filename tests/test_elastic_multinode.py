@@ -21,19 +21,22 @@ import torch
 from helpers import assert_close_lists, elastic_loop_reference, processes_mentioning
 from netns import two_hosts
 
+from towers.tools.load import busy
+
 SCRIPTS = Path(__file__).parent / "scripts"
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 NPROC, STEPS = 2, 40
 
 
 def _launcher(
-    host, master, rank: int, port: int, tmp: Path, nproc: int = NPROC
-) -> subprocess.Popen[str]:
+    host, master, rank: int, port: int, tmp: Path, nproc: int = NPROC, extra: tuple = (),
+    steps: int = STEPS,
+) -> subprocess.Popen[str]:  # fmt: skip
     args = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"),
             "-n", str(nproc), "--elastic", "--max-restarts", "1", "--nnodes", "2",
             "--node-rank", str(rank), "--master-addr", master.addr, "--master-port", str(port),
-            "--", "--progress", str(tmp / "progress"), "--out", str(tmp / "out"),
-            "--steps", str(STEPS), "--sleep", "0.08"]  # fmt: skip
+            *extra, "--", "--progress", str(tmp / "progress"), "--out", str(tmp / "out"),
+            "--steps", str(steps), "--sleep", "0.08"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOO_", "MASTER_"))}
     env |= {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     return host.popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -98,6 +101,76 @@ def test_a_worker_lost_on_node_1_leaves_the_parameters_unchanged(tmp_path):
     print(f"recovery across hosts: {recovery:.2f} s (incl. one step); world {world}")
 
 
+def _family(pid: int) -> list[int]:
+    """``pid`` and its descendants, parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    family = [pid]
+    for p in family:
+        family += children.get(p, [])
+    return family
+
+
+@pytest.mark.timeout(120)
+def test_a_host_stopped_on_a_busy_machine_for_less_than_the_node_timeout_stays(tmp_path):
+    """Beside 8 spinning processes, started once the job runs, host 1 (its towers run and its
+    worker) is stopped with SIGSTOP for 6 s, longer than the 5 s after which node 0 used to drop
+    a silent host, and less than --node-timeout 10: nobody is dropped, and both finish with a
+    plain loop's parameters."""
+    (tmp_path / "progress").mkdir()
+    (tmp_path / "out").mkdir()
+    port = random.randrange(20000, 30000)
+    extra, steps = ("--node-timeout", "10"), 20
+    with two_hosts() as (a, b):
+        nodes = [_launcher(h, a, r, port, tmp_path, 1, extra, steps) for r, h in enumerate((a, b))]
+        logs = ["", ""]
+        try:
+            progress = tmp_path / "progress"
+            deadline = time.monotonic() + 60
+            while sum(f.stat().st_size for f in progress.iterdir()) < 4:
+                assert time.monotonic() < deadline, "the job made no progress"
+                assert all(n.poll() is None for n in nodes), [n.communicate() for n in nodes]
+                time.sleep(0.05)
+            with busy(8):  # once the job runs: its start-up is not what this is about
+                time.sleep(1)
+                family = _family(nodes[1].pid)  # launcher first: it must not see its worker stop
+                for pid in family:
+                    os.kill(pid, signal.SIGSTOP)
+                time.sleep(6)
+                for pid in reversed(family):
+                    os.kill(pid, signal.SIGCONT)
+                logs = [node.communicate(timeout=60)[0] for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+                    node.communicate()
+        left = processes_mentioning(tmp_path)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    why = "\n".join(log[-3000:] for log in logs)
+    assert [node.returncode for node in nodes] == [0, 0], why
+    assert left == [], why
+    assert "silent" not in why and "lost" not in why, why
+    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp_path / "out").glob("*.pt")}
+    assert set(finals) == {0, 1}, why
+    model, losses = elastic_loop_reference(steps)
+    for final in finals.values():
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(final["model"][name], value, rtol=1e-5, atol=1e-6)
+        assert_close_lists(final["losses"], losses)
+        assert final["world"] == [2] * steps, final["world"]
+    gap = max(t1 - t0 for t0, t1 in zip(finals[0]["times"], finals[0]["times"][1:]))
+    assert gap >= 6, gap  # the stop did stall the job
+    print(f"longest step through the stop: {gap:.1f} s")
+
+
 def test_nnodes_asks_for_elastic_a_port_and_a_node_rank(capsys, tmp_path):
     from towers.tools.cli import main
 
@@ -109,6 +182,16 @@ def test_nnodes_asks_for_elastic_a_port_and_a_node_rank(capsys, tmp_path):
     assert main([*base, "--node-rank", "1"]) == 2
     assert main([*base, "--master-port", "29500", "--node-rank", "2"]) == 2
     assert "needs --master-port and --node-rank in 0..NNODES-1" in capsys.readouterr().err
+    assert main([*base, "--master-port", "29500", "--node-rank", "1", "--node-timeout", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--node-timeout must be a finite number of seconds > 0, got 0.0" in err
+    node = [*base, "--master-port", "29500", "--node-rank", "1", "--timeout", "20"]
+    assert main([*node, "--node-timeout", "20"]) == 2
+    err = capsys.readouterr().err
+    assert "--node-timeout must be above 0 and below --timeout (20 s), got 20" in err
+    assert "(default: a quarter of --timeout, 5 s)" in err
+    assert main(["run", str(script), "--elastic", "--node-timeout", "5"]) == 2
+    assert "--node-timeout applies to --elastic --nnodes > 1" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(90)
@@ -118,7 +201,8 @@ def test_a_lost_launcher_loses_its_node_and_the_other_trains_on(tmp_path):
     (tmp_path / "out").mkdir()
     port = random.randrange(20000, 30000)
     with two_hosts() as (a, b):
-        nodes = [_launcher(a, a, 0, port, tmp_path, 1), _launcher(b, a, 1, port, tmp_path, 1)]
+        extra = ("--timeout", "20")  # node 0 drops a silent node after 20 / 4 = 5 s
+        nodes = [_launcher(h, a, r, port, tmp_path, 1, extra) for r, h in enumerate((a, b))]
         logs = ["", ""]
         try:
             progress = tmp_path / "progress"
@@ -184,7 +268,7 @@ def test_nodes_with_different_widths_stop_with_the_reason(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_node_that_never_connects_fails_the_job_after_the_timeout(tmp_path, capsys):
-    from towers.processes.elastic_nodes import run_script_nodes
+    from towers.processes.elastic_launch import run_script_nodes
 
     args = ["--progress", str(tmp_path), "--out", str(tmp_path)]
     port = random.randrange(40000, 50000)

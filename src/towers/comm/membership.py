@@ -47,7 +47,16 @@ from ..core.secret import JobSecret
 from .base import PeerTimeout
 from .store import client_store, get_signed, job_store, put_signed, read_signed
 
-__all__ = ["HEARTBEAT", "Dropped", "Membership", "WatchedStore", "clock", "key", "open_store"]
+__all__ = [
+    "HEARTBEAT",
+    "Dropped",
+    "Membership",
+    "Pulse",
+    "WatchedStore",
+    "clock",
+    "key",
+    "open_store",
+]
 
 HEARTBEAT = 0.2  # seconds between a worker's heartbeats
 _POLL = 0.01  # seconds between checks while members arrive
@@ -122,6 +131,34 @@ class WatchedStore:
                 continue
             self._lost(self.answered)
             return
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class Pulse:
+    """Counts up ``name`` in the job's ``store`` every ``every`` seconds, from a thread of its own.
+
+    A launcher's liveness must not depend on its main loop being scheduled: on a loaded machine
+    a loop that makes a dozen store round trips a tick can fall seconds behind, while a thread
+    that wakes only to make one call still runs. ``store`` is this thread's own client (a
+    TCPStore client is not shared across threads). A call that fails ends the pulse: the
+    launcher's main loop meets the same store and says what happened.
+    """
+
+    def __init__(self, store: Any, name: str, every: float = HEARTBEAT):
+        self.store, self.name, self.every = store, name, every
+        self._stop = threading.Event()
+        self.store.add(name, 1)
+        self._thread = threading.Thread(target=self._run, name="towers-pulse", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.store.add(self.name, 1)
+            except Exception:
+                return
 
     def close(self) -> None:
         self._stop.set()

@@ -92,9 +92,10 @@ class Peers(Protocol):
     def dropped(self, wid: int) -> bool:
         """Whether the job dropped ``wid`` while it ran, so that its error is not its own."""
 
-    def tick(self, finishing: bool) -> list[int]:
+    def tick(self, finishing: bool) -> tuple[list[int], list[int]]:
         """Once per watch tick (``finishing``: a worker here has finished, the job is ending):
-        the job-wide work; returns the workers to stop (replacements that will never join)."""
+        the job-wide work; returns the workers to stop (replacements that will never join, or
+        workers the job dropped) and the newcomers to start (a node that rejoins)."""
 
     def busy(self) -> bool:
         """Whether the supervisor must go on with none of its own workers left."""
@@ -235,8 +236,12 @@ class Supervisor:
                 else:
                     self._lost(wid, time.time())
             self._watch_heartbeats()
-            for wid in self.peers.tick(self.finishing):
-                self.procs.pop(wid).kill()
+            stop, start = self.peers.tick(self.finishing)
+            for wid in stop:
+                if wid in self.procs:  # a dropped worker may have ended on its own
+                    self.procs.pop(wid).kill()
+            for wid in start:
+                self._start(wid, joining=True)
         return self.outcome
 
     def _watch_heartbeats(self) -> None:
@@ -313,11 +318,11 @@ class OneHost:
     def dropped(self, wid: int) -> bool:
         return False  # on one host a lost worker is killed before the job goes on
 
-    def tick(self, finishing: bool) -> list[int]:
+    def tick(self, finishing: bool) -> tuple[list[int], list[int]]:
         if not finishing:
             self.generations.admit()
-            return []
-        return self._latecomers()
+            return [], []
+        return self._latecomers(), []
 
     def _latecomers(self) -> list[int]:
         """Replacements that the finished members will never take in."""

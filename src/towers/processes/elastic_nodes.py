@@ -11,18 +11,25 @@ store's keys:
 
 - ``notices`` / ``notice/<n>``: the n-th loss (a worker id and when), posted by the node that
   killed it; node 0 marks the generations it was in as failed and publishes the next one.
-- ``restarts``: replacements started, job-wide (at most ``--max-restarts``); the n-th gets id
-  ``M * N + n - 1`` and ``node_of/<id>`` names its node. Node 0 lets it in once it is built.
+- ``restarts``: replacements started, job-wide (at most ``--max-restarts``). ``ids``: the
+  newcomers' ids given out (replacements and the workers of a node that rejoins), the n-th is
+  ``M * N + n - 1``, and ``node_of/<id>`` names its node. Node 0 lets each in once it is built,
+  at the members' next step, and a live member sends it the state.
 - ``finishing``: a worker has finished (every member has done every step): no more
   replacements, and latecomers are stopped by their own node.
 - ``abort``: a worker failed (exited non-zero): every node stops its workers and exits.
-- ``node/<r>/beat``, ``node/<r>/done``: each launcher's tick counter, and that it has no
-  workers left. Node 0 keeps the store up until every node is done; a node whose launcher
-  falls silent for :data:`NODE_HANG` seconds is lost with all its workers (they die with their
-  launcher), and the others train on. A node that loses node 0 (the store) stops.
+- ``node/<r>/beat``, ``node/<r>/done``: each launcher's heartbeat (counted up every 0.2 s by a
+  thread of its own, :class:`~towers.comm.membership.Pulse`, so that a launcher whose main
+  loop is starved on a loaded machine still shows it is alive), and that it has no workers
+  left. Node 0 keeps the store up until every node is done; a node whose launcher falls silent
+  for the node timeout (:func:`node_timeout_of`: a quarter of the job's timeout unless given) is
+  lost with all its workers (they die with their launcher), and the others train on. A node
+  that loses node 0 (the store) stops.
 - ``node/<r>/dropped``, ``lost/<id>``: node 0 dropped node ``r`` (silent, not necessarily
-  dead: a network partition), and when. Node ``r``, if it comes back, stops with a line of its
-  own; its workers, dropped, stop too, and are not taken for failed workers.
+  dead: a network partition, a stopped host), and when. Node ``r``, if it hears from the job
+  again before it ends, stops its dropped workers (not taken for failed ones), starts as many
+  newcomers, and says ``node/<r>/back``: node 0 watches it again. If the job is ending, it
+  stops with a line of its own instead.
 
 Across a network partition node 0's store neither answers nor fails: every other node's
 launcher times its calls to the store (:class:`~towers.comm.membership.WatchedStore`), and
@@ -39,28 +46,47 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-import torch.distributed as dist
-
-from ..comm.membership import WatchedStore, clock, key, open_store
-from ..comm.rendezvous import choose_interface
-from ..comm.store import ForeignJob, get_signed
+from ..comm.membership import Pulse, WatchedStore, clock, key, open_store
+from ..comm.store import get_signed
 from ..core.secret import JobSecret
-from .elastic import HANG_SECONDS, Generations, Supervisor, _host_store
-from .elastic_workers import Worker, script_starter
+from .elastic import Generations, _host_store
+from .elastic_workers import Worker
 from .env import worker_env
 from .spawn import WorkerError
 
-__all__ = ["NODE_HANG", "NodeDropped", "Nodes", "run_script_nodes"]
+__all__ = ["NodeDropped", "Nodes", "node_timeout_of"]
 
-# A launcher ticks every 0.1 s; one silent this long is lost, with its node's workers.
-NODE_HANG = 5.0
+
+def node_timeout_of(timeout: float, given: float | None = None) -> float:
+    """Seconds of silence after which node 0 drops a node: ``given``, else ``timeout / 4``.
+
+    It must stay below the job's timeout: across a partition the other nodes' workers wait in
+    a sum with the silent node's for up to the timeout, and the node cut off stops itself after
+    it; dropping the silent node first lets them go on. A quarter (15 s for the default 60 s,
+    as torchrun's rendezvous keep-alive: 3 missed beats of 5 s) leaves a starved or briefly
+    stopped launcher seconds to spare.
+
+    Raises:
+        ValueError: ``given`` is not a positive number of seconds below ``timeout``.
+    """
+    if given is None:
+        return timeout / 4
+    if isinstance(given, bool) or not isinstance(given, (int, float)):
+        raise ValueError(f"--node-timeout must be a number of seconds, got {given!r}")
+    if not 0 < given < timeout:
+        raise ValueError(
+            f"--node-timeout must be above 0 and below --timeout ({timeout:g} s), got {given:g}: "
+            "a node silent that long is dropped, and the other nodes' workers must not time out "
+            f"waiting for it first (default: a quarter of --timeout, {timeout / 4:g} s)"
+        )
+    return float(given)
 
 
 class NodeDropped(Exception):
-    """Node 0 dropped this node (it heard nothing from it for a while): it stops, the job
-    goes on."""
+    """Node 0 dropped this node (it heard nothing from it for a while) and the job is ending,
+    so nothing is left to rejoin: it stops, the job goes on."""
 
 
 class Nodes:
@@ -77,14 +103,17 @@ class Nodes:
         port: int,
         timeout: float,
         secret: str | None = None,
+        node_timeout: float | None = None,
     ):
         self.nproc, self.nnodes, self.node = nproc, nnodes, node
+        self.silence = node_timeout_of(timeout, node_timeout)  # a node silent this long is dropped
         self.workers, self.max_restarts = nproc * nnodes, max_restarts
         self.addr, self.port, self.timeout = addr, port, timeout
         self.secret = secret  # the workers get it; it signs the membership records
         self.signer = signer = None if secret is None else JobSecret(secret)
         self.running: Mapping[int, Worker] = {}
         self.coordinator = node == 0
+        self.away: set[int] = set()  # nodes dropped, until they come back (node 0)
         if self.coordinator:
             self.store = _host_store(addr, port, timeout, signer)
         else:  # refused at once if node 0's store is another job's, or has another secret
@@ -104,6 +133,9 @@ class Nodes:
         self._same_width()
         if self.coordinator:
             self.generations.publish(list(range(self.workers)))
+        # the heartbeat's own client: node 0 watches it; the main loop's calls are watched here
+        beat = open_store(addr, port, timeout, signer)
+        self.pulse = Pulse(beat, f"node/{node}/beat", every=min(0.2, self.silence / 10))
 
     def join(self, running: Mapping[int, Worker]) -> list[int]:
         self.running = running
@@ -136,7 +168,7 @@ class Nodes:
             f"job at {clock(since)}: node 0's store at {self.addr}:{self.port} has not answered "
             f"for {self.timeout:g} s (the timeout); a network partition, or node 0 stopped. This "
             f"node's workers {workers} are stopped (node 0 drops a node silent for "
-            f"{NODE_HANG:g} s, and the others train on)",
+            f"{self.silence:g} s, and the others train on)",
             file=sys.stderr,
             flush=True,
         )
@@ -168,12 +200,15 @@ class Nodes:
             self._read_notices()
         if not replace or self.finishing:
             return None
-        n = self.store.add("restarts", 1)
-        if n > self.max_restarts:
+        if self.store.add("restarts", 1) > self.max_restarts:
             return None
-        new = self.workers + n - 1
+        return self._new_id(self.local_rank[wid])
+
+    def _new_id(self, local: int) -> int:
+        """A newcomer's id, job-wide, for this node's local rank ``local``."""
+        new = self.workers + self.store.add("ids", 1) - 1
         self.store.set(f"node_of/{new}", str(self.node))
-        self.local_rank[new] = self.local_rank[wid]
+        self.local_rank[new] = local
         self.local_new.add(new)
         return new
 
@@ -195,8 +230,7 @@ class Nodes:
             self.generations.drop(wid, at)
 
     def _admit(self) -> None:
-        started = min(self.store.add("restarts", 0), self.max_restarts)
-        for new in range(self.workers, self.workers + started):
+        for new in range(self.workers, self.workers + self.store.add("ids", 0)):
             if new not in self.generations.admitted and new not in self.gone:
                 self.generations.waiting.add(new)
         self.generations.admit()
@@ -220,17 +254,10 @@ class Nodes:
             self.store.set(name, "1")
             self.told.add(name)
 
-    def tick(self, finishing: bool) -> list[int]:
+    def tick(self, finishing: bool) -> tuple[list[int], list[int]]:
         self.finishing = self.finishing or finishing
         if not self.coordinator and self.store.check([f"node/{self.node}/dropped"]):
-            info = json.loads(self.store.get(f"node/{self.node}/dropped"))
-            raise NodeDropped(
-                f"this node (host {socket.gethostname()}) was dropped from the job at "
-                f"{clock(info['at'])}: node 0 heard nothing from its towers run for "
-                f"{info['silent']:g} s (a network partition, or this host stalled). Its workers "
-                f"{sorted(self.running)} are stopped; the others train on without them"
-            )
-        self.store.add(f"node/{self.node}/beat", 1)
+            return self._rejoin()
         if self.finishing:
             self._tell("finishing")
         elif self.store.check(["finishing"]):
@@ -244,14 +271,48 @@ class Nodes:
             self._read_notices()
             self._watch_nodes()
         if self.finishing:
-            return self._latecomers()
+            return self._latecomers(), []
         if self.coordinator:
             self._admit()
-        return []
+        return [], []
+
+    def _rejoin(self) -> tuple[list[int], list[int]]:
+        """Node 0 dropped this node, which hears from the job again: stop the dropped workers
+        and start as many newcomers, let in at the members' next step with the state of a live
+        peer (as replacements are, and not counted as restarts). Returns (stop, start).
+
+        Raises:
+            NodeDropped: the job is ending: nothing is left to rejoin.
+        """
+        info = json.loads(self.store.get(f"node/{self.node}/dropped"))
+        old = sorted(self.running)
+        said = (
+            f"this node (host {socket.gethostname()}) was dropped from the job at "
+            f"{clock(info['at'])}: node 0 heard nothing from its towers run for "
+            f"{info['silent']:g} s (a network partition, or this host stalled). Its workers "
+            f"{old} are stopped"
+        )
+        if self.finishing or self.store.check(["finishing"]):
+            raise NodeDropped(f"{said}; the others train on without them")
+        self.store.delete_key(f"node/{self.node}/dropped")
+        new = [self._new_id(local) for local in range(self.nproc)]
+        self.store.add(f"node/{self.node}/back", 1)
+        print(
+            f"towers run (node {self.node}): {said}; it rejoins with workers {new}, let in at "
+            "the job's next step",
+            file=sys.stderr,
+            flush=True,
+        )
+        return old, new
 
     def _watch_nodes(self) -> None:
         now = time.monotonic()
         for r in range(self.nnodes):
+            if r in self.away and self.store.check([f"node/{r}/back"]):
+                self.store.delete_key(f"node/{r}/back")  # it rejoins: watch it again
+                self.away.discard(r)
+                self.nodes_done.discard(r)
+                self.node_beats.pop(r, None)
             if r in self.nodes_done:
                 continue
             if self.store.check([f"node/{r}/done"]):
@@ -271,7 +332,7 @@ class Nodes:
                 continue
             if seen is None or seen[0] != count:
                 self.node_beats[r] = (count, now)
-            elif now - seen[1] > NODE_HANG:
+            elif now - seen[1] > self.silence:
                 self._node_lost(r, time.time() - (now - seen[1]))
 
     def _node_of(self, wid: int) -> int:
@@ -281,18 +342,20 @@ class Nodes:
         return int(self.store.get(name)) if self.store.check([name]) else -1
 
     def _node_lost(self, r: int, at: float) -> None:
-        """Node ``r``'s launcher is silent: its workers are lost (they die with it)."""
+        """Node ``r``'s launcher is silent: its workers are lost (they die with it, or it stops
+        them if it comes back)."""
         self.nodes_done.add(r)
+        self.away.add(r)
         latest, waiting = self.generations.latest, self.generations.waiting
         lost = [w for w in sorted(set(latest) | waiting) if self._node_of(w) == r]
         print(
-            f"towers run: node {r}'s launcher has been silent for {NODE_HANG:g} s; its "
+            f"towers run: node {r}'s launcher has been silent for {self.silence:g} s; its "
             f"workers {lost} are lost",
             file=sys.stderr,
             flush=True,
         )
-        self.store.set(f"node/{r}/dropped", json.dumps({"at": at, "silent": NODE_HANG}))
-        why = f"node {r}'s towers run was silent for {NODE_HANG:g} s"
+        self.store.set(f"node/{r}/dropped", json.dumps({"at": at, "silent": self.silence}))
+        why = f"node {r}'s towers run was silent for {self.silence:g} s"
         for wid in lost:
             self._forget(wid, at, why)
 
@@ -301,78 +364,3 @@ class Nodes:
         if exc.rank >= 0:
             info = {"node": self.node, "error": str(exc), "code": exc.exitcode or 1}
             self.store.set("abort", json.dumps(info))
-
-
-def run_script_nodes(
-    script: str,
-    nproc: int,
-    args: Sequence[str] = (),
-    *,
-    nnodes: int,
-    node_rank: int,
-    addr: str,
-    port: int,
-    max_restarts: int = 0,
-    timeout: float = 60.0,
-    secret: str | None = None,
-) -> int:
-    """One node of ``towers run --elastic --nnodes M``: supervise this node's ``nproc`` workers.
-
-    ``secret`` is the job's, the same on every node (``TOWERS_SECRET``, ``--secret-file``); a
-    node whose secret differs from node 0's is refused at once. Returns 0 when every worker of
-    this node that was not lost has exited 0 (on node 0: and every other node is done), else the
-    failed worker's exit code, or 1 if the store is lost or refused this node.
-    """
-    choose_interface(addr, "gloo")  # the workers inherit GLOO_SOCKET_IFNAME
-    start = script_starter(script, args, nproc)
-    where = f"node {node_rank}"
-    nodes: Nodes | None = None
-    sup: Supervisor | None = None
-    place = (nproc, nnodes, node_rank, max_restarts, addr, port, timeout, secret)
-    try:
-        nodes = Nodes(*place)
-        sup = Supervisor(nodes, start, min(HANG_SECONDS, timeout), timeout)
-        outcome = sup.run(until_all=True)
-    except NodeDropped as exc:
-        print(f"towers run ({where}): {exc}", file=sys.stderr)
-        return 1
-    except WorkerError as exc:
-        if nodes is not None:
-            with contextlib.suppress(dist.DistError):
-                nodes.fail(exc)
-        print(f"towers run ({where}): {exc}", file=sys.stderr)
-        code = exc.exitcode or 1
-        return code if code > 0 else 128 - code
-    except (ForeignJob, TimeoutError) as exc:  # node 0's store is not this job's
-        print(f"towers run ({where}): {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:  # node 0 cannot listen on addr:port
-        print(
-            f"towers run ({where}): cannot host the job's store on {addr}:{port}: {exc}",
-            file=sys.stderr,
-        )
-        return 1
-    except dist.DistError as exc:
-        print(
-            f"towers run ({where}): lost the job's store at {addr}:{port} (node 0's towers run "
-            f"ended or cannot be reached): stopping this node's workers ({exc})".splitlines()[0],
-            file=sys.stderr,
-        )
-        return 1
-    finally:
-        if sup is not None:
-            sup.stop()
-    if nodes.coordinator and nodes.gone:
-        replaced = min(nodes.store.add("restarts", 0), max_restarts)
-        print(
-            f"towers run: workers {sorted(nodes.gone)} were lost, {replaced} replaced; the others "
-            "trained on",
-            file=sys.stderr,
-        )
-    elif outcome.dead:
-        print(
-            f"towers run ({where}): this node's workers {outcome.dead} were lost, "
-            f"{outcome.replacements} replaced",
-            file=sys.stderr,
-        )
-    return 0

@@ -83,7 +83,6 @@ def _compare_link(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..core.args import check_timeout
     from ..core.launch import MODE
     from ..core.modes import Engine, parse_mode
     from ..processes.launch import run_script
@@ -116,35 +115,23 @@ def _run(args: argparse.Namespace) -> int:
     if args.nnodes > 1 and not args.elastic:
         print("towers run: --nnodes > 1 needs --elastic (or use torchrun)", file=sys.stderr)
         return 2
+    if args.node_timeout is not None and args.nnodes < 2:
+        print(
+            "towers run: --node-timeout applies to --elastic --nnodes > 1 (how long node 0 "
+            "waits for a silent host)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         secret = _secret(args.secret_file)
     except (OSError, ValueError) as exc:
         print(f"towers run: {exc}", file=sys.stderr)
         return 2
     if args.elastic:
-        from ..processes.elastic import run_script_elastic
-
         if mode.engine is not Engine.SYNC or args.max_restarts < 0:
             print("towers run: --elastic needs sync mode and --max-restarts >= 0", file=sys.stderr)
             return 2
-        timeout = args.timeout
-        try:
-            check_timeout(timeout, "--timeout")
-        except ValueError as exc:
-            print(f"towers run: {exc}", file=sys.stderr)
-            return 2
-        if args.nnodes > 1:
-            return _run_nodes(args, processes, timeout, secret)
-        return run_script_elastic(
-            args.script,
-            processes,
-            args.script_args,
-            max_restarts=args.max_restarts,
-            timeout=timeout,
-            addr=args.addr,
-            port=args.port,
-            secret=secret,
-        )
+        return _run_elastic(args, processes, secret)
     return run_script(
         args.script,
         processes,
@@ -153,6 +140,34 @@ def _run(args: argparse.Namespace) -> int:
         port=args.port,
         secret=secret,
         show_ranks=args.show_ranks,
+    )
+
+
+def _run_elastic(args: argparse.Namespace, processes: int, secret: str | None) -> int:
+    from ..core.args import check_timeout
+    from ..processes.elastic import run_script_elastic
+    from ..processes.elastic_nodes import node_timeout_of
+
+    timeout = args.timeout
+    try:
+        check_timeout(timeout, "--timeout")
+        if args.node_timeout is not None:
+            check_timeout(args.node_timeout, "--node-timeout")
+            node_timeout_of(timeout, args.node_timeout)
+    except ValueError as exc:
+        print(f"towers run: {exc}", file=sys.stderr)
+        return 2
+    if args.nnodes > 1:
+        return _run_nodes(args, processes, timeout, secret)
+    return run_script_elastic(
+        args.script,
+        processes,
+        args.script_args,
+        max_restarts=args.max_restarts,
+        timeout=timeout,
+        addr=args.addr,
+        port=args.port,
+        secret=secret,
     )
 
 
@@ -167,7 +182,7 @@ def _secret(path: str | None) -> str | None:
 
 
 def _run_nodes(args: argparse.Namespace, processes: int, timeout: float, secret: str | None) -> int:
-    from ..processes.elastic_nodes import run_script_nodes
+    from ..processes.elastic_launch import run_script_nodes
 
     if args.port is None or not 0 <= args.node_rank < args.nnodes:
         print(
@@ -194,6 +209,7 @@ def _run_nodes(args: argparse.Namespace, processes: int, timeout: float, secret:
         max_restarts=args.max_restarts,
         timeout=timeout,
         secret=secret,
+        node_timeout=args.node_timeout,
     )
 
 

@@ -118,7 +118,7 @@ def _add_run(sub: argparse._SubParsersAction, handler: Handler) -> None:
         help="run a script as N local workers (the torchrun environment)",
         usage="towers run SCRIPT [-n N] [--mode M] [--show-ranks R[,R...]] [--addr A] "
         "[--port P] [--secret-file F] [--elastic [--max-restarts R] [--timeout S] "
-        "[--nnodes M --node-rank R]] [--] [ARGS ...]",
+        "[--nnodes M --node-rank R [--node-timeout S]]] [--] [ARGS ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="""\
 Start N copies of SCRIPT with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
@@ -216,6 +216,15 @@ def _add_run_elastic(run: argparse.ArgumentParser) -> None:
         metavar="S",
         help="with --elastic: seconds without an answer from the job before a host stops "
         "(default 60)",
+    )
+    run.add_argument(
+        "--node-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --elastic --nnodes: seconds of silence from a host's towers run before node 0 "
+        "drops its workers and the others train on; below --timeout (default: a quarter of "
+        "--timeout)",
     )
 
 
