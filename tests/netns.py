@@ -7,6 +7,8 @@ only the two namespaces. Each namespace sees the host name resolve to 127.0.0.1,
 machines. Tests that use it are skipped, with the reason, where namespaces cannot be made (not
 root, no ``ip``).
 
+``three_hosts()`` makes three, joined by a bridge, for a host that joins a running job.
+
 Run a command on a host with ``host.popen(args)`` (``ip netns exec``). ``host.cut()`` takes
 its end of the pair down (no packet passes either way, and no socket is told: a network
 partition) and ``host.mend()`` brings it back up.
@@ -131,6 +133,48 @@ def two_hosts(own: bool = False, rate: str | None = None) -> Iterator[tuple[Host
         yield hosts[0], hosts[1]
     finally:
         for name in names:  # deleting a namespace deletes the veth end in it, and so the pair
+            subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@contextlib.contextmanager
+def three_hosts() -> Iterator[tuple[Host, Host, Host]]:
+    """Three hosts on one link: namespaces ``towers-<id>-0..2``, 10.77.X.1..3/24, each joined by
+    a veth pair to a bridge in the first (so that every host reaches every other, as Gloo's
+    full mesh needs), all removed afterwards. A host's ``cut`` takes its own end down (the
+    first host's: its end of the bridge, which cuts it from both others)."""
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    tag = secrets.token_hex(3)
+    subnet = int(tag[:2], 16) % 250 + 1
+    names = [f"towers-{tag}-{i}" for i in range(3)]
+    bridge = f"tb{tag}"
+    made: list[str] = []
+    try:
+        for name in names:
+            _ip("netns", "add", name)
+            made.append(name)
+        _ip("-n", names[0], "link", "add", bridge, "type", "bridge")
+        _ip("-n", names[0], "link", "set", bridge, "up")
+        hosts = []
+        for i, name in enumerate(names):
+            addr, link = f"10.77.{subnet}.{i + 1}", f"tw{tag}{i}"
+            _ip("link", "add", link, "type", "veth", "peer", "name", f"tw{tag}b{i}")
+            _ip("link", "set", link, "netns", name)
+            _ip("link", "set", f"tw{tag}b{i}", "netns", names[0])
+            _ip("-n", names[0], "link", "set", f"tw{tag}b{i}", "master", bridge, "up")
+            _ip("-n", name, "addr", "add", f"{addr}/24", "dev", link)
+            _ip("-n", name, "link", "set", link, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+            hosts.append(Host(name, addr, link))
+    except OSError as exc:
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], check=False)
+        pytest.skip(f"cannot make network namespaces here: {exc}")
+    try:
+        yield hosts[0], hosts[1], hosts[2]
+    finally:
+        for name in names:  # deleting a namespace deletes the veth ends and the bridge in it
             subprocess.run(["ip", "netns", "del", name], check=False)
 
 

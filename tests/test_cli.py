@@ -81,6 +81,37 @@ def test_run_usage_and_options_agree_and_say_that_the_separator_is_optional():
     assert "The -- before them is optional" in text and "[--] [ARGS ...]" in text
 
 
+def test_nnodes_takes_m_or_min_max_as_torchrun_does():
+    from towers.core.args import nnodes_of
+
+    assert nnodes_of("3") == (3, 3)
+    assert nnodes_of("2:4") == (2, 4)
+    assert nnodes_of(" 1:1 ") == (1, 1)
+    for spec in ("", "a", "2:", ":3", "1:2:3", "1.5", "2-3"):
+        with pytest.raises(ValueError, match=r"--nnodes takes M or MIN:MAX \(whole numbers"):
+            nnodes_of(spec)
+    with pytest.raises(ValueError, match=r"--nnodes 0:2: MIN must be >= 1"):
+        nnodes_of("0:2")
+    with pytest.raises(ValueError, match=r"--nnodes 3:2: MIN \(3\) is above MAX \(2\)"):
+        nnodes_of("3:2")
+
+
+def test_a_bad_nnodes_or_a_node_rank_past_max_is_refused_at_once(capsys, tmp_path):
+    from towers.tools.cli import main
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    node = ["run", str(script), "--elastic", "--master-port", "29500", "--nnodes"]
+    for spec, said in (("3:2", "MIN (3) is above MAX (2)"), ("x:2", "got 'x:2'")):
+        assert main([*node, spec]) == 2
+        assert said in capsys.readouterr().err
+    assert main([*node, "2:3", "--node-rank", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--node-rank in 0..2 (MAX-1), got --node-rank 3" in err
+    assert main(["run", str(script), "--nnodes", "1:2"]) == 2
+    assert "--nnodes > 1 needs --elastic" in capsys.readouterr().err
+
+
 SCRIPT = textwrap.dedent(
     """
     import os

@@ -2,7 +2,8 @@
 namespaces joined by a veth pair (tests/netns.py), and a worker of node 1 killed midway.
 
 The survivors on both nodes regroup, a replacement started by node 1 may join, and the trained
-parameters equal a plain single-process loop. The test finds its victim through the progress
+parameters equal a plain single-process loop. A job started with ``--nnodes 2:3`` grows by a
+third host launched mid-run, and refuses a fourth. The test finds its victim through the progress
 files the script writes (``<id>-<pid>``) and kills it with SIGKILL.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_close_lists, elastic_loop_reference, processes_mentioning
-from netns import two_hosts
+from netns import three_hosts, two_hosts
 
 from towers.tools.load import busy
 
@@ -280,3 +281,77 @@ def test_a_node_that_never_connects_fails_the_job_after_the_timeout(tmp_path, ca
     err = capsys.readouterr().err
     assert f"node 1 never connected to the job's store at 127.0.0.1:{port} within 3 s" in err
     assert processes_mentioning(tmp_path) == []
+
+
+def _grower(host, master, rank: int, port: int, tmp: Path, secret: str, steps: int):
+    args = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"),
+            "-n", "1", "--elastic", "--nnodes", "2:3", "--node-rank", str(rank),
+            "--master-addr", master.addr, "--master-port", str(port),
+            "--", "--progress", str(tmp / "progress"), "--out", str(tmp / "out"),
+            "--steps", str(steps), "--sleep", "0.05", "--hold", str(tmp / "go")]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOO_", "MASTER_", "TOWERS"))}
+    env |= {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "TOWERS_SECRET": secret}
+    return host.popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.timeout(120)
+def test_a_host_that_joins_mid_run_grows_the_job_and_a_fourth_is_refused(tmp_path):
+    """``--nnodes 2:3``: hosts 0 and 1 start (one worker each) and hold after 4 steps; host 2's
+    towers run is launched, and a launcher with another secret beside it, which is refused;
+    once host 2's worker runs (its node taken), a second launcher for node 2 is refused too (the
+    job has its 3 nodes). Then the job goes on, host 2's newcomer joins at a step with the live
+    state, and everyone ends with a plain loop's parameters."""
+    (tmp_path / "progress").mkdir()
+    (tmp_path / "out").mkdir()
+    port, steps, secret = random.randrange(20000, 30000), 30, "the secret of the growing job"
+    with three_hosts() as (a, b, c):
+        nodes = [_grower(h, a, r, port, tmp_path, secret, steps) for r, h in enumerate((a, b))]
+        refused, logs, said = [], [], []
+        try:
+            progress, deadline = tmp_path / "progress", time.monotonic() + 60
+            while sum(f.stat().st_size for f in progress.iterdir()) < 4:
+                assert time.monotonic() < deadline, "the job made no progress"
+                assert all(n.poll() is None for n in nodes), [n.communicate() for n in nodes]
+                time.sleep(0.02)
+            launched = time.time()
+            nodes.append(_grower(c, a, 2, port, tmp_path, secret, steps))
+            refused.append(_grower(c, a, 2, port, tmp_path, "another secret", steps))
+            while len(_family(nodes[2].pid)) < 2:  # its worker started: node 2 is taken
+                assert time.monotonic() < deadline, "node 2 started no worker"
+                assert nodes[2].poll() is None, nodes[2].communicate()
+                time.sleep(0.02)
+            refused.append(_grower(c, a, 2, port, tmp_path, secret, steps))
+            said = [r.communicate(timeout=60)[0] for r in refused]
+            (tmp_path / "go").touch()
+            logs = [node.communicate(timeout=60)[0] for node in nodes]
+        finally:
+            for node in nodes + refused:
+                if node.poll() is None:
+                    node.kill()
+                    node.communicate()
+        left = processes_mentioning(tmp_path)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    why = "\n".join(log[-3000:] for log in logs + said)
+    assert [node.returncode for node in nodes] == [0, 0, 0], why
+    assert [r.returncode for r in refused] == [1, 2], why
+    assert "towers run (node 2): another towers job (job " in said[0], why
+    full = "refused: node 2 is already in the job (another towers run has --node-rank 2); the"
+    assert f"{full} job already has its 3 nodes (--nnodes 2:3)" in said[1], why
+    assert left == [], why
+    assert "towers run: node 2 joins the job" in logs[0], why
+
+    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp_path / "out").glob("*.pt")}
+    assert set(finals) == {0, 1, 2}, why
+    model, losses = elastic_loop_reference(steps)
+    for final in finals.values():
+        assert final["steps"] == steps, why
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(final["model"][name], value, rtol=1e-5, atol=1e-6)
+    assert_close_lists(finals[0]["losses"], losses)
+    world = finals[0]["world"]  # 2 towers, then 3 from the step host 2's worker is let in
+    k = world.index(3)
+    assert k >= 4 and world == [2] * k + [3] * (steps - k), world
+    assert finals[2]["world"] == [3] * (steps - k), finals[2]["world"]
+    joined = finals[2]["times"][0] - launched  # the job held for the refusals meanwhile
+    print(f"from host 2's launch to its first step: {joined:.2f} s; joined at step {k + 1}")

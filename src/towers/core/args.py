@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["MAX_TIMEOUT", "check_timeout"]
+__all__ = ["MAX_TIMEOUT", "check_timeout", "nnodes_of"]
 
 # torch.distributed keeps a timeout in nanoseconds in 64 bits, and Python's threads accept waits
 # up to threading.TIMEOUT_MAX: both end near 9.2e9 s, and 1e10 overflows inside a worker.
@@ -36,3 +36,29 @@ def check_timeout(value: Any, name: str = "timeout") -> float | None:
             f"threads. For a wait with no practical limit give {MAX_TIMEOUT:g}"
         )
     return float(value)
+
+
+def nnodes_of(spec: str) -> tuple[int, int]:
+    """``--nnodes`` as torchrun spells it: ``"M"`` (M hosts, from start to end) or ``"MIN:MAX"``
+    (the job starts with hosts 0..MIN-1 and lets in up to MAX - MIN more while it runs).
+
+    Raises:
+        ValueError: the spec is not ``M`` or ``MIN:MAX`` with 1 <= MIN <= MAX.
+    """
+    parts = str(spec).strip().split(":")
+    try:
+        if len(parts) > 2:
+            raise ValueError
+        least, most = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise ValueError(
+            f"--nnodes takes M or MIN:MAX (whole numbers, as torchrun), got {spec!r}"
+        ) from None
+    if least < 1:
+        raise ValueError(f"--nnodes {spec}: MIN must be >= 1 (the hosts the job starts with)")
+    if least > most:
+        raise ValueError(
+            f"--nnodes {spec}: MIN ({least}) is above MAX ({most}); the job starts with MIN "
+            "hosts and grows up to MAX"
+        )
+    return least, most

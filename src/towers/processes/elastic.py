@@ -25,10 +25,11 @@ depends on where the other workers live, which it asks of the :class:`Peers` it 
   node posts its losses and its liveness there.
 
 A ``Peers`` has the job's ``store`` (the supervisor reads the heartbeats there) and answers
-six calls: ``join`` (the workers to start), ``place`` (a worker's environment), ``lost`` (a
-worker of this supervisor was lost: announce it, name its replacement), ``dropped`` (did the
-job drop this worker), ``tick`` (the job-wide work of each watch tick, and which workers to
-stop) and ``busy`` (must the supervisor go on without workers of its own).
+six calls: ``join`` (the workers to start, and whether they join a running job), ``place``
+(a worker's environment), ``lost`` (a worker of this supervisor was lost: announce it, name
+its replacement), ``dropped`` (did the job drop this worker), ``tick`` (the job-wide work of
+each watch tick, and which workers to stop) and ``busy`` (must the supervisor go on without
+workers of its own).
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ class Peers(Protocol):
 
     store: Any  # the job's store: the workers' heartbeats, the membership records
 
-    def join(self, running: Mapping[int, Worker]) -> list[int]:
-        """The ids of the workers to start; ``running``: the supervisor's, as they change."""
+    def join(self, running: Mapping[int, Worker]) -> tuple[list[int], bool]:
+        """The ids of the workers to start, and whether they join a running job (as
+        replacements do); ``running``: the supervisor's, as they change."""
 
     def place(self, wid: int) -> dict[str, str]:
         """Worker ``wid``'s torchrun environment (its rank, the store, the secret)."""
@@ -197,8 +199,9 @@ class Supervisor:
         self.finishing = False  # a worker has finished: the job is ending
         self.beats: dict[int, tuple[int, float]] = {}  # id -> (count, when it last changed)
         self.outcome = ElasticOutcome(None)
-        for wid in peers.join(self.procs):
-            self._start(wid, joining=False)
+        first, joining = peers.join(self.procs)
+        for wid in first:
+            self._start(wid, joining)
 
     def _start(self, wid: int, joining: bool) -> None:
         env = {**os.environ, **self.peers.place(wid)}
@@ -299,9 +302,9 @@ class OneHost:
         self.restarts, self.next_id = 0, workers
         self.running: Mapping[int, Worker] = {}
 
-    def join(self, running: Mapping[int, Worker]) -> list[int]:
+    def join(self, running: Mapping[int, Worker]) -> tuple[list[int], bool]:
         self.running = running
-        return list(range(self.workers))
+        return list(range(self.workers)), False
 
     def place(self, wid: int) -> dict[str, str]:
         return worker_env(wid, self.workers, self.addr, self.port, secret=self.secret)

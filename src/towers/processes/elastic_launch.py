@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..comm.rendezvous import choose_interface
 from ..comm.store import ForeignJob
 from .elastic import HANG_SECONDS, Supervisor
-from .elastic_nodes import NodeDropped, Nodes
+from .elastic_nodes import NodeDropped, NodeRefused, Nodes
 from .elastic_workers import script_starter
 from .spawn import WorkerError
 
@@ -24,7 +24,7 @@ def run_script_nodes(
     nproc: int,
     args: Sequence[str] = (),
     *,
-    nnodes: int,
+    nnodes: int | tuple[int, int],
     node_rank: int,
     addr: str,
     port: int,
@@ -34,6 +34,11 @@ def run_script_nodes(
     node_timeout: float | None = None,
 ) -> int:
     """One node of ``towers run --elastic --nnodes M``: supervise this node's ``nproc`` workers.
+
+    ``nnodes``: the nodes the job starts with, or ``(MIN, MAX)``
+    (:func:`towers.core.args.nnodes_of`): nodes 0..MIN-1 start it, and a node MIN..MAX-1 joins
+    it while it runs; its workers are let in at the members' next step with the state of a
+    live peer.
 
     ``secret`` is the job's, the same on every node (``TOWERS_SECRET``, ``--secret-file``); a
     node whose secret differs from node 0's is refused at once. ``node_timeout``: seconds of
@@ -55,6 +60,9 @@ def run_script_nodes(
     except NodeDropped as exc:
         print(f"towers run ({where}): {exc}", file=sys.stderr)
         return 1
+    except NodeRefused as exc:  # the job goes on untouched
+        print(f"towers run ({where}): refused: {exc}", file=sys.stderr)
+        return 2
     except WorkerError as exc:
         if nodes is not None:
             with contextlib.suppress(dist.DistError):

@@ -15,6 +15,10 @@ store's keys:
   newcomers' ids given out (replacements and the workers of a node that rejoins), the n-th is
   ``M * N + n - 1``, and ``node_of/<id>`` names its node. Node 0 lets each in once it is built,
   at the members' next step, and a live member sends it the state.
+- ``node/<r>/claim``: a ``towers run`` holds node ``r``; a second one for it is refused.
+  With ``--nnodes MIN:MAX`` nodes 0..MIN-1 start the job, and a node MIN..MAX-1 may join it
+  while it runs: its workers are newcomers (fresh ids, let in as replacements are), and node
+  0 watches it, and waits for it, from its first heartbeat on.
 - ``finishing``: a worker has finished (every member has done every step): no more
   replacements, and latecomers are stopped by their own node.
 - ``abort``: a worker failed (exited non-zero): every node stops its workers and exits.
@@ -56,7 +60,7 @@ from .elastic_workers import Worker
 from .env import worker_env
 from .spawn import WorkerError
 
-__all__ = ["NodeDropped", "Nodes", "node_timeout_of"]
+__all__ = ["NodeDropped", "NodeRefused", "Nodes", "node_timeout_of"]
 
 
 def node_timeout_of(timeout: float, given: float | None = None) -> float:
@@ -89,14 +93,20 @@ class NodeDropped(Exception):
     so nothing is left to rejoin: it stops, the job goes on."""
 
 
+class NodeRefused(Exception):
+    """The job does not take this node (its place is taken, or it differs from node 0's): it
+    stops at once, and the job goes on untouched."""
+
+
 class Nodes:
     """Where the peers of one node's supervisor live: on every node, over one store (see the
-    module doc). Node 0's hosts the store and keeps the generations."""
+    module doc). Node 0's hosts the store and keeps the generations. ``nnodes``: the nodes the
+    job starts with, or ``(MIN, MAX)``: nodes MIN..MAX-1 join it while it runs."""
 
     def __init__(
         self,
         nproc: int,
-        nnodes: int,
+        nnodes: int | tuple[int, int],
         node: int,
         max_restarts: int,
         addr: str,
@@ -105,9 +115,12 @@ class Nodes:
         secret: str | None = None,
         node_timeout: float | None = None,
     ):
-        self.nproc, self.nnodes, self.node = nproc, nnodes, node
+        least, self.most = (nnodes, nnodes) if isinstance(nnodes, int) else nnodes
+        self.nproc, self.nnodes, self.node = nproc, least, node
+        self.joiner = node >= least  # a node that joins the running job
+        self.watched = set(range(least))  # the nodes node 0 waits for: those in the job
         self.silence = node_timeout_of(timeout, node_timeout)  # a node silent this long is dropped
-        self.workers, self.max_restarts = nproc * nnodes, max_restarts
+        self.workers, self.max_restarts = nproc * least, max_restarts
         self.addr, self.port, self.timeout = addr, port, timeout
         self.secret = secret  # the workers get it; it signs the membership records
         self.signer = signer = None if secret is None else JobSecret(secret)
@@ -121,7 +134,8 @@ class Nodes:
                 open_store(addr, port, timeout, signer), timeout, self._cut_off
             )
         self.generations = Generations(self.store, signer)  # kept by node 0 only
-        self.local_rank = {node * nproc + local: local for local in range(nproc)}
+        # worker id -> local rank; a joining node's ids are given out when it joins
+        self.local_rank = {} if self.joiner else {node * nproc + i: i for i in range(nproc)}
         self.local_new: set[int] = set()  # this node's replacements
         self.finishing = False  # a worker has finished, here or on another node
         self.seen = 0  # notices read (node 0)
@@ -131,27 +145,70 @@ class Nodes:
         self.told: set[str] = set()
         self.launched = time.monotonic()
         self._same_width()
+        self.first = list(self.local_rank)
+        if self.joiner:
+            self.first = self._take_place()
         if self.coordinator:
             self.generations.publish(list(range(self.workers)))
         # the heartbeat's own client: node 0 watches it; the main loop's calls are watched here
         beat = open_store(addr, port, timeout, signer)
         self.pulse = Pulse(beat, f"node/{node}/beat", every=min(0.2, self.silence / 10))
 
-    def join(self, running: Mapping[int, Worker]) -> list[int]:
+    def join(self, running: Mapping[int, Worker]) -> tuple[list[int], bool]:
         self.running = running
-        return list(self.local_rank)
+        return self.first, self.joiner
 
     def _same_width(self) -> None:
-        """Every node must start as many workers as node 0 (worker ids depend on it)."""
+        """Every node must start as many workers as node 0 (worker ids depend on it), with the
+        same ``--nnodes``; a node that differs stops the job, or, joining, only itself."""
         if self.coordinator:
-            self.store.set("nproc", str(self.nproc))
+            self.store.set("nproc", f"{self.nproc} {self.span}")
             return
         self.store.wait(["nproc"])
-        theirs = int(self.store.get("nproc"))
-        if theirs != self.nproc:
+        theirs, span = self.store.get("nproc").decode().split()
+        if int(theirs) != self.nproc:
             error = f"-n {self.nproc} here but -n {theirs} on node 0: every node needs the same -n"
-            self.store.set("abort", json.dumps({"node": self.node, "error": error, "code": 2}))
-            raise WorkerError(error, -1, 2)
+        elif span != self.span:
+            error = f"--nnodes {self.span} here but {span} on node 0: every node needs the same"
+        else:
+            self._claim()
+            return
+        if self.joiner:
+            raise NodeRefused(f"{error}; the job goes on without this node")
+        self.store.set("abort", json.dumps({"node": self.node, "error": error, "code": 2}))
+        raise WorkerError(error, -1, 2)
+
+    @property
+    def span(self) -> str:
+        """``--nnodes`` as given: ``M`` or ``MIN:MAX``."""
+        return str(self.most) if self.nnodes == self.most else f"{self.nnodes}:{self.most}"
+
+    def _claim(self) -> None:
+        """Take this node's place in the job, which only one towers run may hold."""
+        if self.store.add(f"node/{self.node}/claim", 1) == 1:
+            return
+        taken = [r for r in range(1, self.most) if self.store.check([f"node/{r}/claim"])]
+        full = (
+            f"; the job already has its {self.most} nodes (--nnodes {self.span})"
+            if len(taken) == self.most - 1
+            else f"; nodes {self.nnodes}..{self.most - 1} may join, those not taken: "
+            f"{sorted(set(range(self.nnodes, self.most)) - set(taken))}"
+        )
+        raise NodeRefused(
+            f"node {self.node} is already in the job (another towers run has --node-rank "
+            f"{self.node}){full}"
+        )
+
+    def _take_place(self) -> list[int]:
+        """A joining node's first workers: newcomers with fresh ids, let in at the members' next
+        step with the state of a live peer, as replacements are (not counted as restarts).
+
+        Raises:
+            NodeRefused: the job is ending.
+        """
+        if self.store.check(["finishing"]):
+            raise NodeRefused("the job is ending: nothing is left to join")
+        return [self._new_id(local) for local in range(self.nproc)]
 
     def _cut_off(self, since: float) -> None:
         """Node 0's store has not answered for the timeout: stop this node's workers, and exit.
@@ -186,12 +243,12 @@ class Nodes:
             local_rank=self.local_rank[wid],
             local_world_size=self.nproc,
             group_rank=self.node,
-            group_world_size=self.nnodes,
+            group_world_size=self.most,  # > 1 if hosts may join: never shared memory
             secret=self.secret,
         )
 
     def busy(self) -> bool:
-        return self.coordinator and len(self.nodes_done) < self.nnodes
+        return self.coordinator and not self.watched <= self.nodes_done
 
     def lost(self, wid: int, at: float, replace: bool) -> int | None:
         n = self.store.add("notices", 1)
@@ -307,7 +364,12 @@ class Nodes:
 
     def _watch_nodes(self) -> None:
         now = time.monotonic()
-        for r in range(self.nnodes):
+        for r in range(self.most):
+            if r not in self.watched and self.store.add(f"node/{r}/beat", 0) > 0:
+                self.watched.add(r)  # a node joins: node 0 waits for it, and watches it
+                print(f"towers run: node {r} joins the job", file=sys.stderr, flush=True)
+            if r not in self.watched:
+                continue
             if r in self.away and self.store.check([f"node/{r}/back"]):
                 self.store.delete_key(f"node/{r}/back")  # it rejoins: watch it again
                 self.away.discard(r)

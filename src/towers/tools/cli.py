@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..core.args import nnodes_of
 from .cli_args import DEMO_OUT, build_parser
 
 __all__ = ["main"]
@@ -112,10 +113,15 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.nnodes > 1 and not args.elastic:
+    try:
+        args.nnodes = nnodes_of(args.nnodes)
+    except ValueError as exc:
+        print(f"towers run: {exc}", file=sys.stderr)
+        return 2
+    if args.nnodes[1] > 1 and not args.elastic:
         print("towers run: --nnodes > 1 needs --elastic (or use torchrun)", file=sys.stderr)
         return 2
-    if args.node_timeout is not None and args.nnodes < 2:
+    if args.node_timeout is not None and args.nnodes[1] < 2:
         print(
             "towers run: --node-timeout applies to --elastic --nnodes > 1 (how long node 0 "
             "waits for a silent host)",
@@ -157,7 +163,7 @@ def _run_elastic(args: argparse.Namespace, processes: int, secret: str | None) -
     except ValueError as exc:
         print(f"towers run: {exc}", file=sys.stderr)
         return 2
-    if args.nnodes > 1:
+    if args.nnodes[1] > 1:
         return _run_nodes(args, processes, timeout, secret)
     return run_script_elastic(
         args.script,
@@ -184,9 +190,12 @@ def _secret(path: str | None) -> str | None:
 def _run_nodes(args: argparse.Namespace, processes: int, timeout: float, secret: str | None) -> int:
     from ..processes.elastic_launch import run_script_nodes
 
-    if args.port is None or not 0 <= args.node_rank < args.nnodes:
+    least, most = args.nnodes
+    if args.port is None or not 0 <= args.node_rank < most:
+        span = "NNODES-1" if least == most else f"{most - 1} (MAX-1)"
         print(
-            "towers run: --nnodes > 1 needs --master-port and --node-rank in 0..NNODES-1",
+            f"towers run: --nnodes > 1 needs --master-port and --node-rank in 0..{span}, got "
+            f"--node-rank {args.node_rank}",
             file=sys.stderr,
         )
         return 2

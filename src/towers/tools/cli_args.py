@@ -118,7 +118,7 @@ def _add_run(sub: argparse._SubParsersAction, handler: Handler) -> None:
         help="run a script as N local workers (the torchrun environment)",
         usage="towers run SCRIPT [-n N] [--mode M] [--show-ranks R[,R...]] [--addr A] "
         "[--port P] [--secret-file F] [--elastic [--max-restarts R] [--timeout S] "
-        "[--nnodes M --node-rank R [--node-timeout S]]] [--] [ARGS ...]",
+        "[--nnodes M|MIN:MAX --node-rank R [--node-timeout S]]] [--] [ARGS ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="""\
 Start N copies of SCRIPT with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
@@ -185,17 +185,18 @@ def _add_run_elastic(run: argparse.ArgumentParser) -> None:
     """``towers run``'s options for elastic jobs, across hosts or on one."""
     run.add_argument(
         "--nnodes",
-        type=int,
-        default=1,
-        metavar="M",
-        help="with --elastic: hosts, one towers run on each, N workers per host (default 1)",
+        default="1",
+        metavar="M|MIN:MAX",
+        help="with --elastic: hosts, one towers run on each, N workers per host; MIN:MAX: the "
+        "job starts with MIN and lets up to MAX - MIN more join while it runs (default 1)",
     )
     run.add_argument(
         "--node-rank",
         type=int,
         default=0,
         metavar="R",
-        help="with --nnodes: this host's rank, 0 hosts the store (default 0)",
+        help="with --nnodes: this host's rank, 0 hosts the store; MIN..MAX-1 join a running "
+        "job (default 0)",
     )
     run.add_argument(
         "--elastic",
