@@ -8,9 +8,9 @@ Two problems from the model zoo, each split once into 1497 training and 300 held
 Every arm trains the same global batches (``batch_size`` samples each, split over ``workers``)
 with the same inner optimizer (AdamW); ``sync`` takes one averaged step per batch, the DiLoCo
 arms an inner step per worker per batch and an outer step every H batches (Nesterov SGD, lr 0.7,
-momentum 0.9; an arm ``diloco:8@1.0`` sets another outer lr). The held-out metrics are evaluated
-every ``--eval-every`` global batches (DiLoCo: of the outer parameters). Prints a table, writes the
-curves as JSON and a PNG::
+momentum 0.9; an arm ``diloco:8@1.0`` sets another outer lr, ``diloco:8@1.0/0`` a plain SGD
+step). The held-out metrics are evaluated every ``--eval-every`` global batches (DiLoCo: of the
+outer parameters). Prints a table, writes the curves as JSON and a PNG::
 
     python benchmarks/diloco_quality.py --problem cnn --modes sync,diloco:8,diloco:8@1.0 \
         --seeds 0,1,2
@@ -59,12 +59,15 @@ def metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[
 
 
 def run_arm(problem: str, arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """``arm``: a mode, or ``MODE@LR`` for a DiLoCo mode with an outer lr other than 0.7."""
+    """``arm``: a mode, or ``MODE@LR[/MOMENTUM]`` for a DiLoCo mode with another outer step
+    (Nesterov SGD; momentum 0.9 unless given, plain SGD at momentum 0)."""
     train, held_out = split_data(problem)
-    mode, _, outer_lr = arm.partition("@")
+    mode, _, outer_spec = arm.partition("@")
     outer = None
-    if outer_lr:
-        outer = functools.partial(torch.optim.SGD, lr=float(outer_lr), momentum=0.9, nesterov=True)
+    if outer_spec:
+        lr, _, momentum = outer_spec.partition("/")
+        m = float(momentum or 0.9)
+        outer = functools.partial(torch.optim.SGD, lr=float(lr), momentum=m, nesterov=m > 0)
     began = time.perf_counter()
     result = towers.train(
         build(problem), zoo.cross_entropy, train, batch_size=args.batch_size, steps=args.steps,

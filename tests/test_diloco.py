@@ -33,7 +33,7 @@ from towers.engines.sync.message import InnerStep, pack, read
 
 ADAM = functools.partial(torch.optim.Adam, lr=0.03)
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
-NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+NESTEROV = functools.partial(torch.optim.SGD, lr=0.6, momentum=0.5, nesterov=True)
 AVERAGE = functools.partial(torch.optim.SGD, lr=1.0)  # the outer step of local SGD
 DATA = regression_data(47)
 
@@ -625,3 +625,21 @@ def test_compare_has_diloco_rows(tmp_path, capsys):
         ("diloco:4:overlap:2", "-", "8"),
         ("diloco:4:overlap:2", "3x", "8"),
     ]
+
+
+@pytest.mark.timeout(60)
+def test_the_default_outer_step_says_what_it_costs_against_sync(capfd):
+    from towers.api.outer import describe_outer
+    from towers.core.modes import parse_mode as parse
+
+    line = describe_outer(parse("diloco:8"), None, 4, "towers.train")
+    assert line is not None and "0.98 to 1.14 times sync's held-out loss" in line
+    assert "train in mode 'sync'" in line and "outer_optimizer=" in line
+    assert describe_outer(parse("diloco:8"), NESTEROV, 4, "towers.train") is None
+    assert describe_outer(parse("sparseloco:8"), None, 4, "towers.train") is None
+    assert describe_outer(parse("diloco:8"), None, 1, "towers.train") is None
+    x, y = regression_data(n=16)
+    towers.train(make_net(), mse, (x, y), batch_size=8, steps=2, workers=2, mode="diloco:2",
+                 progress=False)  # fmt: skip
+    said = [ln for ln in capfd.readouterr().err.splitlines() if "default outer step" in ln]
+    assert len(said) == 1 and said[0].startswith("towers.train: mode 'diloco:2'")

@@ -125,7 +125,7 @@ class Context:
                 also the outer step over all towers; call :meth:`end_period` after the loop.
                 ``"sparseloco:H"`` as ``"diloco:H"``, with SparseLoCo's exchange.
             outer_optimizer: ``"diloco:H"``: ``params -> Optimizer`` for the outer steps;
-                default Nesterov SGD with lr 0.7 and momentum 0.9.
+                default Nesterov SGD with lr 0.6 and momentum 0.5.
             balance: :meth:`shards` splits each global batch in proportion to the ranks'
                 measured speed (the time from a shard to its backward); ``None`` (default):
                 wherever that keeps results exact, as ``towers.train``'s ``balance``.

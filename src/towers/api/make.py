@@ -29,6 +29,7 @@ from .device import train_placement
 from .epochs import announce_epochs
 from .mistakes import check_sync_batchnorm, refuse_sample_list, refuse_wrapped_model
 from .options import check_options, preflight_eval, refuse_loader
+from .outer import announce_outer
 from .validate import (
     averages_buffers,
     check_arguments,
@@ -95,6 +96,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     check_workers(mode, workers, launched)
     batch_size, accumulate = args["batch_size"], args["accumulate"]
     announce_epochs(mode, args["epochs"], n, batch_size, workers, launch.rank)
+    announce_outer(mode, args["outer_optimizer"], workers, "towers.train", launch.rank)
     check_mode_options(
         mode, model, args["sync_batchnorm"], args["elastic"], args["outer_optimizer"]
     )

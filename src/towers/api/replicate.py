@@ -20,6 +20,7 @@ from ..engines.transforms import GradientTransform
 from .balance import choose_balance, unbalanced_because
 from .make import reduction
 from .mistakes import refuse_wrapped_model, warn_unsynced_buffers
+from .outer import announce_outer
 from .validate import averages_buffers, check_mode_options, loop_mode
 
 __all__ = ["Prepared", "prepare"]
@@ -50,6 +51,7 @@ def prepare(
     parsed = loop_mode(mode)
     check_mode_options(parsed, model, sync_batchnorm, group.elastic, outer_optimizer)
     world, rank = group.comm.world_size, group.comm.rank
+    announce_outer(parsed, outer_optimizer, world, "ctx.replicate", rank)
     reduced = reduction(transform, compress, model, parsed)
     cuda = group.device.type == "cuda"
     because = unbalanced_because(model, sync_batchnorm, None, cuda, parsed, reduced)

@@ -195,7 +195,8 @@ def train(
             In mode ``"diloco:H"`` it compresses the pseudo-gradients.
         outer_optimizer: mode ``"diloco:H"``: ``params -> Optimizer`` for the outer steps,
             which take the towers' mean pseudo-gradient as their gradient; default Nesterov
-            SGD with lr 0.7 and momentum 0.9 (DiLoCo's). ``functools.partial(torch.optim.SGD,
+            SGD with lr 0.6 and momentum 0.5 (docs/diloco.md; the paper's is lr 0.7,
+            momentum 0.9). ``functools.partial(torch.optim.SGD,
             lr=1.0)`` makes each outer step the plain average of the towers' parameters.
         device: where the workers compute: ``"cuda"`` (every worker on its own GPU,
             ``cuda:LOCAL_RANK``, summing over NCCL; refused before any worker starts if this

@@ -172,7 +172,7 @@ def check_outer_optimizer(factory: Any) -> None:
         factory,
         [torch.nn.Parameter(torch.zeros(1))],
         torch.optim.Optimizer,
-        "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)",
+        "functools.partial(torch.optim.SGD, lr=0.6, momentum=0.5, nesterov=True)",
     )
 
 

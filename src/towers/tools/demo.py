@@ -154,7 +154,7 @@ def _why(results: Sequence[TrainResult], reference: Sequence[float]) -> str:
         if r.mode.startswith("diloco") and r.losses[-1] < reference[r.steps - 1]:
             lines.append(
                 f"{r.mode} ({r.losses[-1]:.4f}) ends lower than sync after as many steps: its "
-                "outer step, with momentum and lr 0.7, moves further than one step's worth."
+                "outer step, with momentum, moves further than one step's worth."
             )
     # indented, as the legend: no line of it may read as a row of the table
     return textwrap.fill(" ".join(lines), width=98, initial_indent="  ", subsequent_indent="  ")
