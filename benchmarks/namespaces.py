@@ -4,7 +4,8 @@ Each host is a network namespace whose commands run under ``unshare -u -m`` with
 name and a fresh tmpfs on ``/dev/shm``: towers sees two hosts, and shared memory cannot reach
 across. Both ends of the pair are shaped by a token bucket (``tc qdisc add dev X root tbf rate
 R burst 64kb latency 500ms``; this kernel has no netem), so every byte between the hosts goes at
-rate R. Nothing can leave the machine: the pair connects only the two namespaces.
+rate R; with no rate the pair is left unshaped, as fast as the kernel copies. Nothing can leave
+the machine: the pair connects only the two namespaces.
 
 Cleaning up does not depend on this process ending well. A janitor process, in a session of its
 own (Ctrl-C in the terminal does not reach it), holds the read end of a pipe whose write end
@@ -90,9 +91,10 @@ class Host:
 
 
 class Hosts:
-    """Two hosts joined by a link shaped to ``rate`` (``tc`` units: ``"100mbit"``)."""
+    """Two hosts joined by a link shaped to ``rate`` (``tc`` units: ``"100mbit"``; ``None``:
+    unshaped)."""
 
-    def __init__(self, rate: str):
+    def __init__(self, rate: str | None):
         self.rate = rate
         tag = secrets.token_hex(3)
         self.names = [f"tbench-{tag}-{i}" for i in range(2)]
@@ -127,8 +129,9 @@ class Hosts:
             _run("ip", "-n", name, "addr", "add", f"{addr}/24", "dev", link)
             _run("ip", "-n", name, "link", "set", link, "up")
             _run("ip", "-n", name, "link", "set", "lo", "up")
-            _run("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", link, "root", "tbf",
-                 "rate", self.rate, "burst", "64kb", "latency", "500ms")  # fmt: skip
+            if self.rate is not None:
+                _run("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", link, "root", "tbf",
+                     "rate", self.rate, "burst", "64kb", "latency", "500ms")  # fmt: skip
             self.hosts.append(Host(name, addr, link, f"{name}-host"))
 
     def __exit__(self, *exc: object) -> None:

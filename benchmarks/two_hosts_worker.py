@@ -2,10 +2,20 @@
 
     torchrun ... two_hosts_worker.py ARM_JSON OUT LINK
 
-The problem: the 784-1024-1024-10 MLP (:func:`towers.tools.zoo.mlp`) on the digits upscaled to
-28x28 (:func:`~towers.tools.zoo.digits_flat`), the first 1497 of a fixed permutation to train
-on and the other 300 held out; global batches of 256 in DataLoader's order from seed 0, SGD
-lr 0.05 momentum 0.9, the held-out loss every ``eval_every`` global batches and at the end.
+The problem (the arm's ``problem``, a key of :data:`PROBLEMS`); every arm of a problem starts
+from the same weights and trains the same global batches, in DataLoader's order from seed 0,
+with the held-out loss every ``eval_every`` global batches and at the end:
+
+- ``mlp``: the 784-1024-1024-10 MLP (:func:`towers.tools.zoo.mlp`) on the digits upscaled to
+  28x28 (:func:`~towers.tools.zoo.digits_flat`), the first 1497 of a fixed permutation to
+  train on and the other 300 held out; global batches of 256, SGD lr 0.05 momentum 0.9.
+- ``gpt``: a character-level GPT (``benchmarks/gpu_check.py``'s decoder, 4 layers, 4 heads,
+  128 wide, 0.81 M parameters, tied embeddings) on the first million characters of the
+  standard library's top-level ``.py`` files in name order (nothing is downloaded; the
+  vocabulary is the text's characters). The first 90% is cut into rows of 65 characters
+  (64 inputs, each with the next as target) to train on; 64 rows spread evenly over the last
+  10% are held out (4096 predictions). Global batches of 32 rows (2048 predicted characters),
+  AdamW lr 1e-3.
 
 An arm is a dict: ``{"train": {...}}`` is ``towers.train(**...)``'s keywords over this
 problem (any of them: ``compress``, ``transport``, ``mode``...); ``{"ddp": "plain" |
@@ -27,7 +37,10 @@ import functools
 import json
 import os
 import sys
+import sysconfig
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +51,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import towers
 from towers.tools.zoo import cross_entropy, digits_flat, mlp
 
-BATCH = 256
-HELD_OUT = 300
-SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 LINK = ""  # this host's end of the link
 TICKS: dict[int, tuple[float, int]] = {}  # global batches done -> (perf_counter, bytes so far)
 
@@ -66,26 +76,66 @@ def counting_schedule(opt: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(opt, counted)
 
 
-def problem() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+@dataclass(frozen=True)
+class Problem:
+    data: tuple[torch.Tensor, ...]  # to train on
+    held: tuple[torch.Tensor, ...]  # held out
+    model: Callable[[], torch.nn.Module]  # the same initial weights at every call
+    loss: Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
+    optimizer: Callable[..., torch.optim.Optimizer]
+    batch: int  # samples per global batch
+
+
+def digits() -> Problem:
     x, y = digits_flat()
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    train, held = order[: len(x) - HELD_OUT], order[len(x) - HELD_OUT :]
-    return (x[train], y[train]), (x[held], y[held])
+    train, held = order[: len(x) - 300], order[len(x) - 300 :]
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return mlp()
+
+    sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+    return Problem((x[train], y[train]), (x[held], y[held]), model, cross_entropy, sgd, 256)
 
 
-def model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return mlp()
+def text(chars: int = 1_000_000, block: int = 64) -> Problem:
+    from gpu_check import GPT, Size, loss_fn  # its decoder, and next-character cross-entropy
+
+    parts, size = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        parts.append(path.read_text(encoding="utf-8", errors="replace"))
+        size += len(parts[-1])
+        if size >= chars:
+            break
+    source = "".join(parts)[:chars]
+    vocab = {c: i for i, c in enumerate(sorted(set(source)))}
+    ids = torch.tensor([vocab[c] for c in source])
+    cut = int(0.9 * len(ids))
+    # each row's last character is the next row's first: every character is predicted once
+    rows = ids[:cut].unfold(0, block + 1, block).contiguous()
+    tail = ids[cut:].unfold(0, block + 1, block)
+    held = tail[torch.linspace(0, len(tail) - 1, 64).long()]
+    shape = Size(vocab=len(vocab), block=block, layers=4, heads=4, width=128, batch=32)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GPT(shape)
+
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+    return Problem((rows,), (held,), model, loss_fn, adamw, shape.batch)
 
 
-def run_towers(arm: dict[str, Any], steps: int, every: int) -> dict[str, Any]:
-    data, held = problem()
+PROBLEMS: dict[str, Callable[[], Problem]] = {"mlp": digits, "gpt": text}
+
+
+def run_towers(p: Problem, arm: dict[str, Any], steps: int, every: int) -> dict[str, Any]:
     keywords = {"lr_schedule": counting_schedule} | arm["train"]
     workers = int(os.environ["WORLD_SIZE"])
     result = towers.train(
-        model(), cross_entropy, data, batch_size=BATCH, steps=steps, workers=workers,
-        optimizer=SGD, seed=0, progress=False, timeout=300, eval_data=held, eval_every=every,
-        **keywords,
+        p.model(), p.loss, p.data, batch_size=p.batch, steps=steps, workers=workers,
+        optimizer=p.optimizer, seed=0, progress=False, timeout=300, eval_data=p.held,
+        eval_every=every, **keywords,
     )  # fmt: skip
     done = range(1, steps + 1)
     counts = [TICKS[k][1] for k in done] if all(k in TICKS for k in done) else []
@@ -97,14 +147,14 @@ def run_towers(arm: dict[str, Any], steps: int, every: int) -> dict[str, Any]:
     }
 
 
-def _ddp_model(kind: str) -> tuple[Any, torch.optim.Optimizer]:
+def _ddp_model(p: Problem, kind: str) -> tuple[Any, torch.optim.Optimizer]:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel
 
     name, _, arg = kind.partition(":")
     one_bucket = name == "powersgd-1bucket"
-    ddp = DistributedDataParallel(model(), bucket_cap_mb=100 if one_bucket else 25)
-    opt = SGD(ddp.parameters())
+    ddp = DistributedDataParallel(p.model(), bucket_cap_mb=100 if one_bucket else 25)
+    opt = p.optimizer(ddp.parameters())
     if name in ("powersgd", "powersgd-1bucket"):
         state = psgd.PowerSGDState(None, matrix_approximation_rank=int(arg), start_powerSGD_iter=10)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
@@ -128,15 +178,14 @@ def _ddp_model(kind: str) -> tuple[Any, torch.optim.Optimizer]:
     return ddp, opt
 
 
-def run_ddp(kind: str, steps: int, every: int) -> dict[str, Any]:
+def run_ddp(p: Problem, kind: str, steps: int, every: int) -> dict[str, Any]:
     """DDP over the same global batches (each split with towers.split, as towers splits them)."""
     os.environ["GLOO_SOCKET_IFNAME"] = LINK
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    data, held = problem()
-    ddp, opt = _ddp_model(kind)
+    ddp, opt = _ddp_model(p, kind)
     loader = DataLoader(
-        TensorDataset(*data), batch_size=BATCH, shuffle=True,
+        TensorDataset(*p.data), batch_size=p.batch, shuffle=True,
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
     times, counts, evals, batches = [], [], [], iter(())
@@ -149,11 +198,11 @@ def run_ddp(kind: str, steps: int, every: int) -> dict[str, Any]:
             batch = next(batches)
         shard = towers.split(tuple(batch), world)[rank]
         opt.zero_grad(set_to_none=True)
-        cross_entropy(ddp, shard).backward()
+        p.loss(ddp, shard).backward()
         opt.step()
         if rank == 0 and (k % every == 0 or k == steps):
             with torch.no_grad():
-                evals.append((k, float(cross_entropy(ddp.module, held))))
+                evals.append((k, float(p.loss(ddp.module, p.held))))
         tick(k)
         times.append(time.perf_counter() - start)
         counts.append(TICKS[k][1] if rank == 0 else 0)
@@ -168,10 +217,11 @@ def main() -> None:
     arm, out, LINK = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
     steps, every = arm["steps"], arm["eval_every"]
     try:
+        p = PROBLEMS[arm.get("problem", "mlp")]()
         if "ddp" in arm:
-            record = run_ddp(arm["ddp"], steps, every)
+            record = run_ddp(p, arm["ddp"], steps, every)
         else:
-            record = run_towers(arm, steps, every)
+            record = run_towers(p, arm, steps, every)
     except Exception as exc:
         lines = str(exc).strip().splitlines() or [""]
         record = {"error": f"{type(exc).__name__}: {lines[0][:400]}"}

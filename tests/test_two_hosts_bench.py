@@ -1,0 +1,51 @@
+"""benchmarks/two_hosts.py without hosts: its report's columns, and the GPT problem it trains."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import two_hosts
+import two_hosts_worker
+
+
+def record(ms: float, mb: float, final: float, steps: int = 20) -> dict:
+    """A run of ``steps`` global batches of ``ms`` each, ``mb`` over the link each."""
+    times = [k * ms / 1e3 for k in range(1, steps + 1)]
+    counts = [int(k * mb * 1e6) for k in range(1, steps + 1)]
+    evals = [(k, final + (steps - k) / steps) for k in range(5, steps + 1, 5)]
+    return {"times": times, "bytes": counts, "evals": evals, "sent": counts[-1]}
+
+
+def test_the_report_gives_bytes_saved_and_utilisation_paired_per_repeat() -> None:
+    args = argparse.Namespace(steps=20, warmup=5)
+    raw = {"ddp": [record(400, 6.0, 2.0), record(500, 6.0, 2.0)],
+           "towers x": [record(100, 0.01, 2.0), record(100, 0.01, 2.0)]}  # fmt: skip
+    fast = {"ddp": [record(100, 6.0, 2.0), record(250, 6.0, 2.0)],
+            "towers x": [record(100, 0.01, 2.0), {"error": "RuntimeError: gone"}]}  # fmt: skip
+    result = two_hosts.report(raw, args, [1.0], fast)
+    ddp, x = result["rows"]["ddp"], result["rows"]["towers x"]
+    assert math.isclose(ddp["utilisation"], (0.25 + 0.5) / 2)  # the median of the two repeats
+    assert math.isclose(x["utilisation"], 1.0)  # the failed repeat left out
+    assert math.isclose(x["fewer_bytes"], 600, rel_tol=1e-3)
+    assert math.isclose(x["vs_best_ddp"], 0.25 * 400 / 450)  # DDP's median time to its loss
+    text = two_hosts.table(result)
+    assert "x fewer" in text and "util" in text and " 38%" in text and "100%" in text
+    assert "util" not in two_hosts.table(two_hosts.report(raw, args, [1.0]))
+
+
+def test_the_gpt_problem_is_the_same_in_every_arm_and_starts_near_chance() -> None:
+    p = two_hosts_worker.text()
+    (rows,), (held,) = p.data, p.held
+    assert rows.shape[1] == held.shape[1] == 65 and len(held) == 64 and p.batch == 32
+    assert torch.equal(rows[:-1, -1], rows[1:, 0])  # every character is predicted once
+    a, b = p.model(), p.model()
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    vocab = a.tok.weight.shape[0]
+    with torch.no_grad():
+        assert abs(float(p.loss(a, (held,))) - math.log(vocab)) < 0.1
