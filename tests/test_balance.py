@@ -274,7 +274,8 @@ def test_two_hosts_of_different_speed_balance_and_equal_one_process(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     late = [s[0] for s in got["shards"][-12:]]  # the host capped at a quarter core: less
-    assert sum(late) / len(late) > 0.55 * module.BATCH, got["shards"]
+    # a split that never moved with seconds that stayed even says the cap did not take
+    assert sum(late) / len(late) > 0.55 * module.BATCH, (got["shards"], got["seconds"][-12:])
     expected = module.build_model()
     opt = functools.partial(torch.optim.SGD, lr=module.LR)
     reference_loop(expected, module.data(), batch_size=module.BATCH, steps=module.STEPS,

@@ -7,6 +7,7 @@ interface that reaches MASTER_ADDR by itself (GLOO_SOCKET_IFNAME unset).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -47,11 +48,10 @@ def test_two_hosts_train_like_one(tmp_path):
             assert node.returncode == 0, log[-3000:]
     got = torch.load(out, weights_only=True)
 
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import two_hosts as script
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    # under a name of its own: benchmarks/ has a two_hosts.py too
+    spec = importlib.util.spec_from_file_location("script_two_hosts", SCRIPTS / "two_hosts.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     reference = script.build_model()
     opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for batch in script.global_batches():
