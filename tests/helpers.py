@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import torch
@@ -154,3 +156,22 @@ def processes_mentioning(tmp: Path) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def reap(nodes: list[subprocess.Popen[str]], tmp: Path) -> list[int]:
+    """Kill the launchers in ``nodes`` still running and every other process whose command line
+    names ``tmp``; returns the pids of the latter (a test asserts there were none)."""
+    for node in nodes:
+        if node.poll() is None:
+            node.kill()
+            node.communicate()
+    left = processes_mentioning(tmp)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def saved_finals(out: Path) -> dict[int, dict]:
+    """The final states that tests/scripts/elastic_loop.py's workers saved in ``out``
+    (``final-RANK.pt``), by rank."""
+    return {int(p.stem.split("-")[1]): torch.load(p) for p in out.glob("*.pt")}

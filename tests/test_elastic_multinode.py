@@ -19,7 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close_lists, elastic_loop_reference, processes_mentioning
+from helpers import (
+    assert_close_lists,
+    elastic_loop_reference,
+    processes_mentioning,
+    reap,
+    saved_finals,
+)
 from netns import three_hosts, two_hosts
 
 from towers.tools.load import busy
@@ -70,19 +76,13 @@ def test_a_worker_lost_on_node_1_leaves_the_parameters_unchanged(tmp_path):
             lost, killed_at = _kill_on_node_1(tmp_path / "progress", after, time.monotonic() + 60)
             logs = [node.communicate(timeout=60)[0] for node in nodes]
         finally:
-            for node in nodes:
-                if node.poll() is None:
-                    node.kill()
-                    node.communicate()
-        left = processes_mentioning(tmp_path)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+            left = reap(nodes, tmp_path)
     why = f"lost worker {lost} after {after} calls:\n" + "\n".join(log[-3000:] for log in logs)
     assert [node.returncode for node in nodes] == [0, 0], why
     assert left == [], why
     assert f"workers [{lost}] were lost, 1 replaced" in logs[0], why
 
-    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp_path / "out").glob("*.pt")}
+    finals = saved_finals(tmp_path / "out")
     # the replacement (worker 4, on node 1) joins unless the others finish before it has started
     assert set(finals) - {4} == {0, 1, 2, 3} - {lost}, why
     model, losses = elastic_loop_reference(STEPS)
@@ -148,18 +148,12 @@ def test_a_host_stopped_on_a_busy_machine_for_less_than_the_node_timeout_stays(t
                     os.kill(pid, signal.SIGCONT)
                 logs = [node.communicate(timeout=60)[0] for node in nodes]
         finally:
-            for node in nodes:
-                if node.poll() is None:
-                    node.kill()
-                    node.communicate()
-        left = processes_mentioning(tmp_path)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+            left = reap(nodes, tmp_path)
     why = "\n".join(log[-3000:] for log in logs)
     assert [node.returncode for node in nodes] == [0, 0], why
     assert left == [], why
     assert "silent" not in why and "lost" not in why, why
-    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp_path / "out").glob("*.pt")}
+    finals = saved_finals(tmp_path / "out")
     assert set(finals) == {0, 1}, why
     model, losses = elastic_loop_reference(steps)
     for final in finals.values():
@@ -215,17 +209,11 @@ def test_a_lost_launcher_loses_its_node_and_the_other_trains_on(tmp_path):
             killed_at = time.time()
             logs[0] = nodes[0].communicate(timeout=60)[0]
         finally:
-            for node in nodes:
-                if node.poll() is None:
-                    node.kill()
-                node.communicate()
-        left = processes_mentioning(tmp_path)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+            left = reap(nodes, tmp_path)
     assert nodes[0].returncode == 0, logs[0][-3000:]
     assert left == [], logs[0][-3000:]
     assert "node 1's launcher has been silent for 5 s; its workers [1] are lost" in logs[0]
-    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp_path / "out").glob("*.pt")}
+    finals = saved_finals(tmp_path / "out")
     assert set(finals) == {0}
     model, losses = elastic_loop_reference(STEPS)
     for name, value in model.state_dict().items():
@@ -325,13 +313,7 @@ def test_a_host_that_joins_mid_run_grows_the_job_and_a_fourth_is_refused(tmp_pat
             (tmp_path / "go").touch()
             logs = [node.communicate(timeout=60)[0] for node in nodes]
         finally:
-            for node in nodes + refused:
-                if node.poll() is None:
-                    node.kill()
-                    node.communicate()
-        left = processes_mentioning(tmp_path)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+            left = reap(nodes + refused, tmp_path)
     why = "\n".join(log[-3000:] for log in logs + said)
     assert [node.returncode for node in nodes] == [0, 0, 0], why
     assert [r.returncode for r in refused] == [1, 2], why
@@ -341,7 +323,7 @@ def test_a_host_that_joins_mid_run_grows_the_job_and_a_fourth_is_refused(tmp_pat
     assert left == [], why
     assert "towers run: node 2 joins the job" in logs[0], why
 
-    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp_path / "out").glob("*.pt")}
+    finals = saved_finals(tmp_path / "out")
     assert set(finals) == {0, 1, 2}, why
     model, losses = elastic_loop_reference(steps)
     for final in finals.values():

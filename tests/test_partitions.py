@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close_lists, elastic_loop_reference, processes_mentioning
+from helpers import assert_close_lists, elastic_loop_reference, reap, saved_finals
 from netns import Host, two_hosts
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -75,11 +74,9 @@ def _partition(tmp: Path, steps: int, timeout: float, blip: float | None):
                 if node.poll() is None:
                     node.kill()
             logs = [node.communicate()[0] for node in nodes]
-        left = processes_mentioning(tmp)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+        left = reap(nodes, tmp)
     assert left == [], logs
-    finals = {int(p.stem.split("-")[1]): torch.load(p) for p in (tmp / "out").glob("*.pt")}
+    finals = saved_finals(tmp / "out")
     return [n.returncode for n in nodes], logs, ended, finals, mended
 
 
