@@ -28,7 +28,7 @@ import os
 import secrets
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,21 +99,42 @@ def unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def two_hosts(own: bool = False, rate: str | None = None) -> Iterator[tuple[Host, Host]]:
-    """Two hosts (see the module doc); ``own``: their own host names and /dev/shm; ``rate``:
-    the pair shaped to that rate (``tc`` units, ``"100mbit"``)."""
+def _namespaces(
+    count: int, join: Callable[[str, int, list[str]], list[Host]]
+) -> Iterator[list[Host]]:
+    """``count`` namespaces ``towers-<tag>-0..``, joined by ``join(tag, subnet, names)``, which
+    returns their hosts; skipped, with the reason, where they cannot be made; all removed
+    afterwards (deleting a namespace deletes the links and bridges in it)."""
     reason = unavailable()
     if reason:
         pytest.skip(reason)
     tag = secrets.token_hex(3)
     subnet = int(tag[:2], 16) % 250 + 1
-    names = [f"towers-{tag}-{i}" for i in range(2)]
-    links = [f"tw{tag}{i}" for i in range(2)]
+    names = [f"towers-{tag}-{i}" for i in range(count)]
     made: list[str] = []
     try:
         for name in names:
             _ip("netns", "add", name)
             made.append(name)
+        hosts = join(tag, subnet, names)
+    except OSError as exc:
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], check=False)
+        pytest.skip(f"cannot make network namespaces here: {exc}")
+    try:
+        yield hosts
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@contextlib.contextmanager
+def two_hosts(own: bool = False, rate: str | None = None) -> Iterator[tuple[Host, Host]]:
+    """Two hosts (see the module doc); ``own``: their own host names and /dev/shm; ``rate``:
+    the pair shaped to that rate (``tc`` units, ``"100mbit"``)."""
+
+    def pair(tag: str, subnet: int, names: list[str]) -> list[Host]:
+        links = [f"tw{tag}{i}" for i in range(2)]
         _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
         hosts = []
         for i, (name, link) in enumerate(zip(names, links, strict=True)):
@@ -125,15 +146,10 @@ def two_hosts(own: bool = False, rate: str | None = None) -> Iterator[tuple[Host
             if rate is not None:
                 _shape(name, link, rate)
             hosts.append(Host(name, addr, link, f"{name}-host" if own else ""))
-    except OSError as exc:
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], check=False)
-        pytest.skip(f"cannot make network namespaces here: {exc}")
-    try:
+        return hosts
+
+    with _namespaces(2, pair) as hosts:
         yield hosts[0], hosts[1]
-    finally:
-        for name in names:  # deleting a namespace deletes the veth end in it, and so the pair
-            subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 @contextlib.contextmanager
@@ -142,18 +158,9 @@ def three_hosts() -> Iterator[tuple[Host, Host, Host]]:
     a veth pair to a bridge in the first (so that every host reaches every other, as Gloo's
     full mesh needs), all removed afterwards. A host's ``cut`` takes its own end down (the
     first host's: its end of the bridge, which cuts it from both others)."""
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    tag = secrets.token_hex(3)
-    subnet = int(tag[:2], 16) % 250 + 1
-    names = [f"towers-{tag}-{i}" for i in range(3)]
-    bridge = f"tb{tag}"
-    made: list[str] = []
-    try:
-        for name in names:
-            _ip("netns", "add", name)
-            made.append(name)
+
+    def bridged(tag: str, subnet: int, names: list[str]) -> list[Host]:
+        bridge = f"tb{tag}"
         _ip("-n", names[0], "link", "add", bridge, "type", "bridge")
         _ip("-n", names[0], "link", "set", bridge, "up")
         hosts = []
@@ -167,15 +174,10 @@ def three_hosts() -> Iterator[tuple[Host, Host, Host]]:
             _ip("-n", name, "link", "set", link, "up")
             _ip("-n", name, "link", "set", "lo", "up")
             hosts.append(Host(name, addr, link))
-    except OSError as exc:
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], check=False)
-        pytest.skip(f"cannot make network namespaces here: {exc}")
-    try:
+        return hosts
+
+    with _namespaces(3, bridged) as hosts:
         yield hosts[0], hosts[1], hosts[2]
-    finally:
-        for name in names:  # deleting a namespace deletes the veth ends and the bridge in it
-            subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 def torchrun_nodes(
