@@ -47,18 +47,8 @@ def memory_cgroup(limit: int) -> Iterator[Path]:
     if own is None:
         pytest.skip("no memory cgroup to make a child of (no memory controller here)")
     parent, knob = own
-    child = parent / f"towers-test-{secrets.token_hex(3)}"
-    try:
-        child.mkdir()
-        (child / knob).write_text(str(limit))
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            child.rmdir()
-        pytest.skip(f"cannot make a memory cgroup with a limit here: {exc}")
-    try:
+    with _child(parent, {knob: str(limit)}, "a memory cgroup with a limit") as child:
         yield child
-    finally:
-        _remove(child)
 
 
 @contextlib.contextmanager
@@ -71,15 +61,27 @@ def cpu_cgroup(share: float, period_us: int = 10_000) -> Iterator[Path]:
         pytest.skip("a cpu cgroup needs root")
     if not (root / "cpu.cfs_quota_us").exists():
         pytest.skip("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
-    child = root / f"towers-test-{secrets.token_hex(3)}"
+    knobs = {
+        "cpu.cfs_period_us": str(period_us),
+        "cpu.cfs_quota_us": str(max(1000, round(share * period_us))),
+    }
+    with _child(root, knobs, "a cpu cgroup") as child:
+        yield child
+
+
+@contextlib.contextmanager
+def _child(parent: Path, knobs: dict[str, str], what: str) -> Iterator[Path]:
+    """A new cgroup under ``parent`` with ``knobs`` written, in order; skipped, naming
+    ``what``, where it cannot be made; removed afterwards."""
+    child = parent / f"towers-test-{secrets.token_hex(3)}"
     try:
         child.mkdir()
-        (child / "cpu.cfs_period_us").write_text(str(period_us))
-        (child / "cpu.cfs_quota_us").write_text(str(max(1000, round(share * period_us))))
+        for knob, value in knobs.items():
+            (child / knob).write_text(value)
     except OSError as exc:
         with contextlib.suppress(OSError):
             child.rmdir()
-        pytest.skip(f"cannot make a cpu cgroup here: {exc}")
+        pytest.skip(f"cannot make {what} here: {exc}")
     try:
         yield child
     finally:
