@@ -216,25 +216,25 @@ def test_a_share_close_to_one_at_32_bits_is_the_plain_sum():
     assert_close_lists(whole.losses, plain.losses)
 
 
-def _own_loop():
+def _own_loop(steps, optimizer, mode, compress):
+    """The own loop over ``steps`` batches; every parameter, flat."""
     ctx = towers.init()
-    model = ctx.replicate(wide_net(), compress="topk:0.02:2")
-    opt = SGD(model.parameters())
-    for shard in ctx.shards(_batches(6)):
+    model = ctx.replicate(wide_net(), mode=mode, compress=compress)
+    opt = optimizer(model.parameters())
+    for shard in ctx.shards(_batches(steps)):
         ctx.step(mse(model, shard), opt)
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ctx.end_period()  # sync mode: nothing to do
+    flat = _flat(p.detach() for p in model.parameters())
     ctx.close()
     return flat
 
 
 @pytest.mark.timeout(120)
 def test_every_rank_ends_with_the_same_parameters_to_the_last_bit():
-    flats = towers.spawn(_own_loop, 3)
+    flats = towers.spawn(_own_loop, 3, 6, SGD, "sync", "topk:0.02:2")
     assert all(torch.equal(flats[0], f) for f in flats[1:])
     want, _ = sync_reference(0.02, 2, steps=6, workers=3)
-    torch.testing.assert_close(
-        flats[0], torch.cat([p.detach().reshape(-1) for p in want.parameters()])
-    )
+    torch.testing.assert_close(flats[0], _flat(want.parameters()))
 
 
 @pytest.mark.timeout(120)
@@ -264,24 +264,12 @@ def test_sparseloco_equals_sparseloco_in_one_process():
     assert_same_parameters(spelled.model, got.model, rtol=0.0, atol=0.0)
 
 
-def _sparseloco_loop():
-    ctx = towers.init()
-    model = ctx.replicate(wide_net(), mode="sparseloco:3")
-    opt = INNER(model.parameters())
-    for shard in ctx.shards(_batches(9)):
-        ctx.step(mse(model, shard), opt)
-    ctx.end_period()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    ctx.close()
-    return flat
-
-
 @pytest.mark.timeout(120)
 def test_the_own_loop_trains_sparseloco_too():
-    flats = towers.spawn(_sparseloco_loop, 3)
+    flats = towers.spawn(_own_loop, 3, 9, INNER, "sparseloco:3", None)
     want, _ = sparseloco_reference(every=3, steps=9, workers=3)
     for flat in flats:
-        torch.testing.assert_close(flat, torch.cat([p.reshape(-1) for p in want.parameters()]))
+        torch.testing.assert_close(flat, _flat(want.parameters()))
 
 
 # -- refusals --------------------------------------------------------------------------------
