@@ -216,6 +216,119 @@ def test_elastic_is_refused_outside_sync_mode(monkeypatch):
         towers.train(make_net(), traced_mse, (x, y), batch_size=8, steps=1)
 
 
+@pytest.mark.timeout(90)
+def test_workers_join_a_job_that_started_with_fewer(tmp_path):
+    x, y = _data()
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    result = towers.train(
+        make_net(),
+        functools.partial(traced_mse, str(progress)),
+        (x, y),
+        batch_size=16,
+        steps=30,
+        workers=3,
+        elastic=True,
+        min_workers=1,
+        timeout=30,
+        progress=False,
+    )
+    reference = make_net()
+    losses, _, _ = reference_loop(
+        reference,
+        (x, y),
+        batch_size=16,
+        steps=30,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+        loss_fn=lambda m, s: (m(s[0]) - s[1]).square().mean(),
+    )
+    # worker 0 starts alone; workers 1 and 2 are let in at step boundaries as they are built
+    assert result.world[0] == 1 and result.world[-1] == 3, result.world
+    assert result.world == sorted(result.world), result.world
+    assert result.dead_workers == [] and result.restarts == 0
+    assert {f.name.split("-")[0] for f in progress.iterdir()} >= {"0", "1", "2"}
+    assert_same_parameters(result.model, reference)
+    assert_close_lists(result.losses, losses)
+
+
+def sgd_but_not_on_worker_2(params):
+    if os.environ.get("RANK") == "2":
+        raise RuntimeError("worker 2 cannot build its optimizer")
+    return torch.optim.SGD(params, lr=0.01)
+
+
+@pytest.mark.timeout(90)
+def test_a_newcomer_that_fails_before_it_is_let_in_leaves_the_job_untouched(tmp_path, capfd):
+    x, y = _data()
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    result = towers.train(
+        make_net(),
+        functools.partial(traced_mse, str(progress)),
+        (x, y),
+        batch_size=16,
+        steps=20,
+        workers=3,
+        elastic=True,
+        min_workers=2,
+        optimizer=sgd_but_not_on_worker_2,
+        timeout=30,
+        progress=False,
+    )
+    reference = make_net()
+    reference_loop(
+        reference,
+        (x, y),
+        batch_size=16,
+        steps=20,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+        loss_fn=lambda m, s: (m(s[0]) - s[1]).square().mean(),
+    )
+    said = capfd.readouterr().err
+    assert "towers: worker 2, a newcomer, failed before the job let it in (" in said, said
+    assert "worker 2 cannot build its optimizer" in said and "the job goes on without it" in said
+    assert result.world == [2] * 20
+    assert_same_parameters(result.model, reference)
+
+
+def test_a_joiner_is_told_how_it_differs_from_the_job():
+    from torch import nn
+
+    from towers.engines.broadcast import join_difference, terms
+
+    job = terms(make_net(), "sync", "none")
+    assert join_difference(job, terms(make_net(), "sync", "none")) is None
+    assert join_difference(job, terms(make_net(), "diloco:8", "none")) == (
+        "it trains mode 'diloco:8', the job 'sync'"
+    )
+    assert join_difference(job, terms(make_net(), "sync", "int8")) == (
+        "its compression is 'int8', the job's 'none'"
+    )
+    longer = make_net()
+    longer.fc3 = nn.Linear(1, 1)
+    assert join_difference(job, terms(longer, "sync", "none")) == (
+        "its model differs from the job's: parameter 'fc3.weight' [1, 1] exists only in this "
+        "worker's"
+    )
+    assert join_difference(terms(make_net().half(), "sync", "none"), job) == (
+        "its model differs from the job's at parameter #0: the job has parameter 'fc1.weight' "
+        "[8, 3] torch.float16, this worker parameter 'fc1.weight' [8, 3] torch.float32"
+    )
+
+
+def test_min_workers_is_checked():
+    x, y = _data()
+    args = (make_net(), traced_mse, (x, y))
+    with pytest.raises(ValueError, match=r"min_workers applies to elastic=True"):
+        towers.train(*args, batch_size=8, steps=1, workers=2, min_workers=1)
+    with pytest.raises(ValueError, match=r"min_workers must be in 1..workers \(2\), got 3"):
+        towers.train(*args, batch_size=8, steps=1, workers=2, elastic=True, min_workers=3)
+    with pytest.raises(ValueError, match=r"got 0"):
+        towers.train(*args, batch_size=8, steps=1, workers=2, elastic=True, min_workers=0)
+    with pytest.raises(TypeError, match=r"min_workers must be an int or None, got 1.5"):
+        towers.train(*args, batch_size=8, steps=1, workers=2, elastic=True, min_workers=1.5)
+
+
 def test_seek_redoes_a_batch_in_dataloader_order():
     order = BatchOrder(10, 3, True, seed=5)
     plain = [next(order).tolist() for _ in range(9)]  # three epochs of 4, 3, ... batches

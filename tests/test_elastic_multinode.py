@@ -271,23 +271,27 @@ def test_a_node_that_never_connects_fails_the_job_after_the_timeout(tmp_path, ca
     assert processes_mentioning(tmp_path) == []
 
 
-def _grower(host, master, rank: int, port: int, tmp: Path, secret: str, steps: int):
+def _grower(
+    host, master, rank: int, port: int, tmp: Path, secret: str, steps: int, extra: tuple = ()
+):
     args = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"),
-            "-n", "1", "--elastic", "--nnodes", "2:3", "--node-rank", str(rank),
+            "-n", "1", "--elastic", "--nnodes", "2:4", "--node-rank", str(rank),
             "--master-addr", master.addr, "--master-port", str(port),
             "--", "--progress", str(tmp / "progress"), "--out", str(tmp / "out"),
-            "--steps", str(steps), "--sleep", "0.05", "--hold", str(tmp / "go")]  # fmt: skip
+            "--steps", str(steps), "--sleep", "0.05", "--hold", str(tmp / "go"),
+            *extra]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOO_", "MASTER_", "TOWERS"))}
     env |= {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "TOWERS_SECRET": secret}
     return host.popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 @pytest.mark.timeout(120)
-def test_a_host_that_joins_mid_run_grows_the_job_and_a_fourth_is_refused(tmp_path):
-    """``--nnodes 2:3``: hosts 0 and 1 start (one worker each) and hold after 4 steps; host 2's
+def test_a_host_that_joins_mid_run_grows_the_job_and_others_are_refused(tmp_path):
+    """``--nnodes 2:4``: hosts 0 and 1 start (one worker each) and hold after 4 steps; node 3,
+    whose script builds a wider model, is refused before the job waits for it; host 2's
     towers run is launched, and a launcher with another secret beside it, which is refused;
     once host 2's worker runs (its node taken), a second launcher for node 2 is refused too (the
-    job has its 3 nodes). Then the job goes on, host 2's newcomer joins at a step with the live
+    job has its 4 nodes). Then the job goes on, host 2's newcomer joins at a step with the live
     state, and everyone ends with a plain loop's parameters."""
     (tmp_path / "progress").mkdir()
     (tmp_path / "out").mkdir()
@@ -301,6 +305,9 @@ def test_a_host_that_joins_mid_run_grows_the_job_and_a_fourth_is_refused(tmp_pat
                 assert time.monotonic() < deadline, "the job made no progress"
                 assert all(n.poll() is None for n in nodes), [n.communicate() for n in nodes]
                 time.sleep(0.02)
+            other = _grower(c, a, 3, port, tmp_path, secret, steps, ("--hidden", "16"))
+            refused.append(other)
+            said.append(other.communicate(timeout=60)[0])
             launched = time.time()
             nodes.append(_grower(c, a, 2, port, tmp_path, secret, steps))
             refused.append(_grower(c, a, 2, port, tmp_path, "another secret", steps))
@@ -309,22 +316,29 @@ def test_a_host_that_joins_mid_run_grows_the_job_and_a_fourth_is_refused(tmp_pat
                 assert nodes[2].poll() is None, nodes[2].communicate()
                 time.sleep(0.02)
             refused.append(_grower(c, a, 2, port, tmp_path, secret, steps))
-            said = [r.communicate(timeout=60)[0] for r in refused]
+            said += [r.communicate(timeout=60)[0] for r in refused[1:]]
             (tmp_path / "go").touch()
             logs = [node.communicate(timeout=60)[0] for node in nodes]
         finally:
             left = reap(nodes + refused, tmp_path)
     why = "\n".join(log[-3000:] for log in logs + said)
     assert [node.returncode for node in nodes] == [0, 0, 0], why
-    assert [r.returncode for r in refused] == [1, 2], why
-    assert "towers run (node 2): another towers job (job " in said[0], why
+    assert [r.returncode for r in refused] == [2, 1, 2], why
+    differs = (
+        "is not let into the running job: its model differs from the job's at parameter #0: the "
+        "job has parameter '0.weight' [8, 3] torch.float32, this worker parameter '0.weight' "
+        "[16, 3] torch.float32; start every worker with the same script and arguments"
+    )
+    assert differs in said[0], why
+    assert "towers run (node 3): refused: the running job did not let its workers in" in said[0]
+    assert "towers run (node 2): another towers job (job " in said[1], why
     full = "refused: node 2 is already in the job (another towers run has --node-rank 2); the"
-    assert f"{full} job already has its 3 nodes (--nnodes 2:3)" in said[1], why
+    assert f"{full} job already has its 4 nodes (--nnodes 2:4)" in said[2], why
     assert left == [], why
     assert "towers run: node 2 joins the job" in logs[0], why
 
     finals = saved_finals(tmp_path / "out")
-    assert set(finals) == {0, 1, 2}, why
+    assert set(finals) == {0, 1, 3}, why  # node 2's worker: id 3 (id 2 went to node 3's)
     model, losses = elastic_loop_reference(steps)
     for final in finals.values():
         assert final["steps"] == steps, why
@@ -334,6 +348,6 @@ def test_a_host_that_joins_mid_run_grows_the_job_and_a_fourth_is_refused(tmp_pat
     world = finals[0]["world"]  # 2 towers, then 3 from the step host 2's worker is let in
     k = world.index(3)
     assert k >= 4 and world == [2] * k + [3] * (steps - k), world
-    assert finals[2]["world"] == [3] * (steps - k), finals[2]["world"]
-    joined = finals[2]["times"][0] - launched  # the job held for the refusals meanwhile
+    assert finals[3]["world"] == [3] * (steps - k), finals[3]["world"]
+    joined = finals[3]["times"][0] - launched  # the job held for the refusals meanwhile
     print(f"from host 2's launch to its first step: {joined:.2f} s; joined at step {k + 1}")

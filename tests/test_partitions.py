@@ -158,10 +158,10 @@ def test_a_dropped_worker_stops_with_one_line_saying_when_and_why():
     the next generation, and why (written by node 0 before it published that generation)."""
     from towers.comm.membership import Dropped, Membership, key
     from towers.comm.net import free_port
-    from towers.processes.elastic import _host_store
+    from towers.processes.elastic_members import serve_store
 
     port = free_port("127.0.0.1")
-    store = _host_store("127.0.0.1", port, 10, None)
+    store = serve_store("127.0.0.1", port, 10, None)
     store.set(key(0, "members"), "[0]")
     store.set("lost/1", '{"at": 0, "why": "node 1\'s towers run was silent for 5 s"}')
     member = Membership("127.0.0.1", port, 1, 10)

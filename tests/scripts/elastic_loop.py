@@ -28,10 +28,10 @@ def batches(steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]
     return out
 
 
-def build(batchnorm: bool = False) -> nn.Module:
+def build(batchnorm: bool = False, hidden: int = 8) -> nn.Module:
     torch.manual_seed(0)
-    norm = [nn.BatchNorm1d(8)] if batchnorm else []
-    return nn.Sequential(nn.Linear(3, 8), *norm, nn.Tanh(), nn.Linear(8, 1))
+    norm = [nn.BatchNorm1d(hidden)] if batchnorm else []
+    return nn.Sequential(nn.Linear(3, hidden), *norm, nn.Tanh(), nn.Linear(hidden, 1))
 
 
 def main() -> None:
@@ -43,10 +43,14 @@ def main() -> None:
     parser.add_argument("--batchnorm", action="store_true", help="with sync_batchnorm=True")
     parser.add_argument("--timeout", type=float, default=None, help="towers.init(timeout=)")
     parser.add_argument("--hold", default=None, help="after 4 steps, wait until this file exists")
+    parser.add_argument("--hidden", type=int, default=8, help="another model than the job's")
+    parser.add_argument("--compress", default=None, help="ctx.replicate(compress=)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = towers.init(timeout=args.timeout)
-    model = ctx.replicate(build(args.batchnorm), sync_batchnorm=args.batchnorm)
+    model = ctx.replicate(
+        build(args.batchnorm, args.hidden), sync_batchnorm=args.batchnorm, compress=args.compress
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses, world, times = [], [], []
     mine = os.path.join(args.progress, f"{os.environ['RANK']}-{os.getpid()}")

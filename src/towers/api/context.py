@@ -146,7 +146,7 @@ class Context:
         self._state.replica = Replica(model)
         self._state.plan = ready.plan
         self._state.balanced(ready.balance)
-        driver = SyncDriver(self._group, ready.transform, owner=self._state)
+        driver = SyncDriver(self._group, ready.transform, owner=self._state, mode=ready.mode)
         self._steps.attach(driver, model)
         breaks = self._state.plan.attach(model.to(self.device))
         return driver.replicate(model, bucket_bytes, breaks)

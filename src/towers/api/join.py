@@ -7,6 +7,9 @@ its fixed process group; the script is the same.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+
 from ..comm.elastic import ElasticConnection
 from ..comm.group import connect
 from ..core.args import check_timeout
@@ -73,5 +76,12 @@ def init(
         return Context(PlainGroup(plain))
     elastic = ElasticConnection(launch, parsed, timeout, joining=launch.joining)
     group = ElasticGroup(elastic)
-    group.join()  # rank and world size are known from here on
+    if not elastic.joining:
+        group.join()  # rank and world size are known from here on
+    else:
+        # A newcomer is let in once ctx.replicate has built its model; what the loop does
+        # after that before its first step, the members wait for. Its first optimizer imports
+        # torch._dynamo (0.8 s on a small machine): import it now, while the job trains on.
+        with contextlib.suppress(ImportError):
+            importlib.import_module("torch._dynamo")
     return Context(group)

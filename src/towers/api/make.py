@@ -34,6 +34,7 @@ from .validate import (
     averages_buffers,
     check_arguments,
     check_elastic,
+    check_min_workers,
     check_mode_options,
     check_picklable,
     check_straggle,
@@ -67,6 +68,7 @@ class RunPlan:
     workers: int
     launched: bool
     max_restarts: int
+    min_workers: int  # elastic: the workers that start the job; the others join it
 
 
 def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
@@ -107,6 +109,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     if not launched and (workers > 1 or mode.servers or args["max_restarts"]):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
     check_elastic(args["elastic"], mode, transport, launch)
+    least = check_min_workers(args["min_workers"], workers, args["elastic"])
     placement = train_placement(args["device"], mode, workers, launch, transport, args["elastic"])
     transform = reduction(args["transform"], args["compress"], model, mode)
     because = unbalanced_because(
@@ -144,7 +147,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     if job.checkpoint is not None and (not launched or launch.rank == 0):
         checkpoint_files.prepare_directory(job.checkpoint, estimate_bytes(model, n))
     preflight_eval(job, workers, probe)
-    return job, RunPlan(workers, launched, args["max_restarts"])
+    return job, RunPlan(workers, launched, args["max_restarts"], least)
 
 
 _OPTIONS = ("eval_data", "eval_fn", "eval_every", "lr_interval", "collate_fn", "num_workers")

@@ -29,8 +29,11 @@ __all__ = ["Prepared", "prepare"]
 class Prepared:
     """The step plan, the gradient transform and whether the split is balanced."""
 
-    def __init__(self, plan: StepPlan, transform: GradientTransform | None, balance: bool):
+    def __init__(
+        self, plan: StepPlan, transform: GradientTransform | None, balance: bool, mode: str
+    ):
         self.plan, self.transform, self.balance = plan, transform, balance
+        self.mode = mode  # as the job names it
 
 
 def prepare(
@@ -50,14 +53,18 @@ def prepare(
     refuse_wrapped_model(model, "ctx.replicate()")
     parsed = loop_mode(mode)
     check_mode_options(parsed, model, sync_batchnorm, group.elastic, outer_optimizer)
-    world, rank = group.comm.world_size, group.comm.rank
+    # A newcomer to an elastic job is let in once its model is built: it does not know its
+    # rank yet, and says nothing. An elastic job may grow: balance is decided as for two
+    # towers or more, the same on every member whatever the width when each joined.
+    world, rank = (1, -1) if group.joining else (group.comm.world_size, group.comm.rank)
     announce_outer(parsed, outer_optimizer, world, "ctx.replicate", rank)
     reduced = reduction(transform, compress, model, parsed)
     cuda = group.device.type == "cuda"
     because = unbalanced_because(model, sync_batchnorm, None, cuda, parsed, reduced)
-    balanced = choose_balance(balance, parsed, world, because, "ctx.replicate", rank)
+    towers = max(world, 2) if group.elastic else world
+    balanced = choose_balance(balance, parsed, towers, because, "ctx.replicate", rank)
     if sync_batchnorm:
         convert_batchnorm(model, group)
     elif world > 1 and not averages_buffers(parsed):
         warn_unsynced_buffers(model, "ctx.replicate(model, sync_batchnorm=True)")
-    return Prepared(plan_for(parsed, outer_optimizer), reduced, balanced)
+    return Prepared(plan_for(parsed, outer_optimizer), reduced, balanced, str(parsed))

@@ -75,6 +75,7 @@ def train(
     num_workers: int = 0,
     sync_batchnorm: bool = False,
     elastic: bool = False,
+    min_workers: int | None = None,
     transform: GradientTransform | None = None,
     compress: str | None = None,
     outer_optimizer: OptimizerFactory | None = None,
@@ -182,6 +183,10 @@ def train(
             ``max_restarts``, that many replacements join at a step boundary and receive the
             state from a live peer. ``TrainResult.dead_workers``, ``world`` and
             ``recoveries`` say what happened.
+        min_workers: with ``elastic``: training starts once workers 0..min_workers-1 have
+            built their models; the others (up to ``workers``) join the running job as each
+            is ready, at a step boundary, with the state of a live peer. Default: every
+            worker starts it.
         transform: sync mode: how each bucket of gradients is reduced over the towers, a
             gradient transform (see :mod:`towers.transforms`); default a plain sum. Its state
             is saved in checkpoints and handed to replacements in elastic jobs.
@@ -237,7 +242,7 @@ def _run(job: Job, plan: RunPlan) -> tuple[EngineResult, int]:
     """Launch with restarts; Ctrl-C or SIGTERM ends in one line that names the last checkpoint."""
     try:
         with sigterm_interrupts():
-            return _launch_with_restarts(job, plan.workers, plan.launched, plan.max_restarts)
+            return _launch_with_restarts(job, plan)
     except KeyboardInterrupt as exc:
         # The workers are stopped by now; a traceback would bury the one thing to know.
         print(stopped_line(exc, job.checkpoint), file=sys.stderr, flush=True)
@@ -257,9 +262,8 @@ def _checkpoint_dir(job: Job, max_restarts: int) -> Iterator[tuple[Job, bool]]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _launch_with_restarts(
-    job: Job, workers: int, launched: bool, max_restarts: int
-) -> tuple[EngineResult, int]:
+def _launch_with_restarts(job: Job, plan: RunPlan) -> tuple[EngineResult, int]:
+    workers, launched, max_restarts = plan.workers, plan.launched, plan.max_restarts
     if job.elastic and not launched and workers > 1:
         # Elastic: lost workers are dropped or replaced while the others train on.
         timeout = DEFAULT_TIMEOUT if job.timeout is None else job.timeout
@@ -271,6 +275,7 @@ def _launch_with_restarts(
             max_restarts=max_restarts,
             timeout=timeout,
             hang=min(HANG_SECONDS, timeout),
+            first=plan.min_workers,
         )
         out = dataclasses.replace(outcome.result, dead_workers=outcome.dead)
         return out, outcome.replacements

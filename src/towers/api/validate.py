@@ -33,6 +33,7 @@ __all__ = [
     "averages_buffers",
     "check_arguments",
     "check_elastic",
+    "check_min_workers",
     "check_mode_options",
     "check_outer_optimizer",
     "check_picklable",
@@ -286,6 +287,25 @@ def check_elastic(elastic: Any, mode: Mode, transport: Transport, launch: Launch
             "towers run or torchrun: run the script with plain python (own loops: "
             "towers run --elastic, docs/elastic.md)"
         )
+
+
+def check_min_workers(min_workers: Any, workers: int, elastic: bool) -> int:
+    """``min_workers``: the workers that start an elastic job (default all of them)."""
+    if min_workers is None:
+        return workers
+    if isinstance(min_workers, bool) or not isinstance(min_workers, int):
+        raise TypeError(f"min_workers must be an int or None, got {min_workers!r}")
+    if not elastic:
+        raise ValueError(
+            "min_workers applies to elastic=True (the others join the running job as they "
+            "are ready): pass elastic=True, or drop min_workers"
+        )
+    if not 1 <= min_workers <= workers:
+        raise ValueError(
+            f"min_workers must be in 1..workers ({workers}), got {min_workers}: the job starts "
+            f"with min_workers and grows to workers"
+        )
+    return min_workers
 
 
 def launched_workers(mode: Mode, workers: int, launch: Launch) -> int:

@@ -16,6 +16,9 @@ member's rank is its index in that list. Its keys:
 - ``g<g>/regroup``: a replacement is ready and waits in ``g + 1``; the members agree, in the
   metadata of a step, to move there after that step.
 - ``join/<id>``: the generation a replacement enters; ``ready/<id>``: a replacement is built;
+  ``terms``: what every member shares (the model's parameters and buffers, the mode, the
+  compression), written by a generation's rank 0, which a newcomer compares with its own before
+  it asks to be let in; ``refused/<id>``: a newcomer that differs says how, and stops;
   ``left/<id>``: a worker is done and stopped its heartbeat; ``lost/<id>``: when and why a
   worker was declared lost (a worker that finds itself dropped says so, and exits).
 
@@ -50,6 +53,7 @@ from .store import client_store, get_signed, job_store, put_signed, read_signed
 __all__ = [
     "HEARTBEAT",
     "Dropped",
+    "JoinRefused",
     "Membership",
     "Pulse",
     "WatchedStore",
@@ -69,6 +73,16 @@ class Dropped(SystemExit):
     a dropped worker training as a ghost, and the script ends with the one line that says why
     instead of a traceback.
     """
+
+
+class JoinRefused(SystemExit):
+    """This newcomer differs from the job it was to join (another model, mode or compression):
+    it said how in the store (``refused/<id>``), where its supervisor reads it, and stops
+    before the members wait for it; the job goes on without it. Exit code 2, no traceback."""
+
+    def __init__(self, why: str):
+        super().__init__(2)
+        self.why = why
 
 
 def key(generation: int, name: str) -> str:
@@ -280,6 +294,24 @@ class Membership:
             f"towers: worker {self.id}{self.here} was dropped from the job{why}; the others train "
             "on without it. This worker stops"
         )
+
+    def job_terms(self) -> str:
+        """The terms the job's members published (see the module doc), once they have."""
+        try:
+            return read_signed(self.store, self.secret, "terms", self.timeout)
+        except TimeoutError:
+            raise PeerTimeout(
+                f"worker {self.id}: the job's members did not say what they train within "
+                f"{self.timeout:g} s; did the job start?"
+            ) from None
+
+    def publish_terms(self, text: str) -> None:
+        put_signed(self.store, self.secret, "terms", text)
+
+    def refuse(self, why: str) -> JoinRefused:
+        """Say in the store why this newcomer does not join; the error that stops it."""
+        put_signed(self.store, self.secret, f"refused/{self.id}", why)
+        return JoinRefused(why)
 
     def first_generation(self, joining: bool) -> int:
         """0 for a worker started with the job; a replacement waits to be let in."""

@@ -34,7 +34,6 @@ workers of its own).
 
 from __future__ import annotations
 
-import json
 import multiprocessing.connection
 import os
 import sys
@@ -46,8 +45,9 @@ from typing import Any, Protocol
 from ..comm.membership import key
 from ..comm.net import DEFAULT_ADDR, free_port, is_loopback
 from ..comm.rendezvous import choose_interface
-from ..comm.store import get_signed, host_store, job_store, put_signed
+from ..comm.store import get_signed
 from ..core.secret import JobSecret, new_secret
+from .elastic_members import Generations, serve_store
 from .elastic_workers import Forked, Starter, Worker, script_starter
 from .env import worker_env
 from .pack import pack
@@ -56,7 +56,6 @@ from .spawn import WorkerError, _context, _worker_main
 __all__ = [
     "HANG_SECONDS",
     "ElasticOutcome",
-    "Generations",
     "OneHost",
     "Peers",
     "Supervisor",
@@ -75,6 +74,7 @@ class Peers(Protocol):
     """Where the job's other workers live: what a supervisor's events mean for the job."""
 
     store: Any  # the job's store: the workers' heartbeats, the membership records
+    signer: JobSecret | None  # signs the membership records
 
     def join(self, running: Mapping[int, Worker]) -> tuple[list[int], bool]:
         """The ids of the workers to start, and whether they join a running job (as
@@ -110,11 +110,7 @@ class ElasticOutcome:
     result: Any
     dead: list[int] = field(default_factory=list)
     replacements: int = 0
-
-
-def _host_store(addr: str, port: int, timeout: float, secret: JobSecret | None) -> Any:
-    """The job's store, listening on ``addr`` only, with the job's keys under its prefix."""
-    return job_store(host_store(addr, port, timeout, secret), secret)
+    refused: list[str] = field(default_factory=list)  # why newcomers were not let in
 
 
 def _stopped(pid: int) -> bool:
@@ -124,61 +120,6 @@ def _stopped(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except OSError:
         return False
-
-
-class Generations:
-    """The members of each generation of the job, kept by the one supervisor that publishes
-    them (signed with the job's secret, so that no process that reaches the store can)."""
-
-    def __init__(self, store: Any, secret: JobSecret | None):
-        self.store, self.secret = store, secret
-        self.members: dict[int, list[int]] = {}
-        self.marked: set[int] = set()  # generations announced as failed
-        self.waiting: set[int] = set()  # replacements not yet let in
-        self.admitted: dict[int, int] = {}  # replacement -> the generation it was let into
-
-    @property
-    def latest(self) -> list[int]:
-        return self.members[len(self.members) - 1]
-
-    def publish(self, members: list[int]) -> int:
-        g = len(self.members)
-        self.members[g] = members
-        put_signed(self.store, self.secret, key(g, "members"), json.dumps(members))
-        return g
-
-    def drop(self, wid: int, at: float) -> None:
-        """Mark the generations ``wid`` was in as failed and publish the next without it."""
-        if wid in self.waiting:
-            self.waiting.discard(wid)
-            return
-        info = json.dumps({"dead": [wid], "at": at})
-        for g, members in self.members.items():
-            if wid in members and g not in self.marked:
-                put_signed(self.store, self.secret, key(g, "failed"), info)
-                self.marked.add(g)
-        if wid in self.latest:
-            survivors = [m for m in self.latest if m != wid]
-            if not survivors:
-                raise WorkerError(
-                    f"every worker of the elastic job was lost (the last: worker {wid}); "
-                    "nothing is left to resume from: use checkpoint= to keep the progress "
-                    "on disk",
-                    wid,
-                )
-            self.publish(survivors)
-
-    def admit(self) -> None:
-        """Let each built replacement into the next generation, at the members' next step."""
-        for wid in sorted(self.waiting):
-            if get_signed(self.store, self.secret, f"ready/{wid}") is None:
-                continue
-            self.waiting.discard(wid)
-            current = len(self.members) - 1
-            g = self.publish([*self.members[current], wid])
-            self.admitted[wid] = g
-            put_signed(self.store, self.secret, f"join/{wid}", str(g))
-            put_signed(self.store, self.secret, key(current, "regroup"), "1")
 
 
 class Supervisor:
@@ -199,11 +140,14 @@ class Supervisor:
         self.finishing = False  # a worker has finished: the job is ending
         self.beats: dict[int, tuple[int, float]] = {}  # id -> (count, when it last changed)
         self.outcome = ElasticOutcome(None)
+        self.newcomers: set[int] = set()  # started to join a running job
         first, joining = peers.join(self.procs)
         for wid in first:
             self._start(wid, joining)
 
     def _start(self, wid: int, joining: bool) -> None:
+        if joining:
+            self.newcomers.add(wid)
         env = {**os.environ, **self.peers.place(wid)}
         self.procs[wid] = self.start_worker(wid, joining, env)
 
@@ -221,6 +165,8 @@ class Supervisor:
                 if seen is None:
                     continue
                 status, rest = seen
+                if status == "error" and self._refused(wid, handle, rest):
+                    continue
                 if status == "error" and self.peers.dropped(wid):
                     # The job declared it lost (its node fell silent) and trains on without
                     # it; it said so and stopped: not a bug of its own.
@@ -246,6 +192,31 @@ class Supervisor:
             for wid in start:
                 self._start(wid, joining=True)
         return self.outcome
+
+    def _refused(self, wid: int, handle: Worker, rest: list[Any]) -> bool:
+        """A newcomer that differs from the job stopped before it was let in (or as soon as it
+        was), or one that failed before it was let in: the job goes on without it, as without
+        a lost worker, and is not failed (it never was a member)."""
+        store, signer = self.peers.store, self.peers.signer
+        why = get_signed(store, signer, f"refused/{wid}")
+        if (
+            why is None
+            and wid in self.newcomers
+            and get_signed(store, signer, f"join/{wid}") is None
+        ):
+            failure = str(handle.failure(wid, rest)).splitlines()
+            why = (
+                f"worker {wid}, a newcomer, failed before the job let it in "
+                f"({failure[0] if failure else 'no message'}); the job goes on without it"
+            )
+        if why is None:
+            return False
+        self.procs.pop(wid).kill()
+        self.beats.pop(wid, None)
+        self.outcome.refused.append(why)
+        print(f"towers: {why}", file=sys.stderr, flush=True)
+        self.peers.lost(wid, time.time(), replace=False)
+        return True
 
     def _watch_heartbeats(self) -> None:
         now = time.monotonic()
@@ -280,7 +251,9 @@ class Supervisor:
 class OneHost:
     """Every worker of the job is this supervisor's: it hosts the job's store on ``addr`` (a
     free port unless ``port``), keeps the generations, and starts up to ``max_restarts``
-    replacements, with the next free ids. ``secret``: the job's (a fresh one by default)."""
+    replacements, with the next free ids. ``secret``: the job's (a fresh one by default).
+    ``first``: the workers that start the job (0..first-1; default all); the others are
+    started with them as newcomers, each let in at the members' next step once it is built."""
 
     def __init__(
         self,
@@ -290,21 +263,25 @@ class OneHost:
         timeout: float,
         port: int | None = None,
         secret: str | None = None,
+        first: int | None = None,
     ):
         self.workers, self.max_restarts, self.addr = workers, max_restarts, addr
+        self.first = workers if first is None else first
         # The workers get the job's secret in their environment; it signs the records here.
         self.secret = new_secret() if secret is None else secret
-        signer = JobSecret(self.secret)
+        self.signer: JobSecret | None = JobSecret(self.secret)
         self.port = free_port(addr) if port is None else port
-        self.store = _host_store(addr, self.port, timeout, signer)
-        self.generations = Generations(self.store, signer)
-        self.generations.publish(list(range(workers)))
+        self.store = serve_store(addr, self.port, timeout, self.signer)
+        self.generations = Generations(self.store, self.signer)
+        self.generations.publish(list(range(self.first)))
+        self.later = list(range(self.first, workers))  # started at the first tick, as newcomers
+        self.generations.waiting.update(self.later)
         self.restarts, self.next_id = 0, workers
         self.running: Mapping[int, Worker] = {}
 
     def join(self, running: Mapping[int, Worker]) -> tuple[list[int], bool]:
         self.running = running
-        return list(range(self.workers)), False
+        return list(range(self.first)), False
 
     def place(self, wid: int) -> dict[str, str]:
         return worker_env(wid, self.workers, self.addr, self.port, secret=self.secret)
@@ -322,10 +299,11 @@ class OneHost:
         return False  # on one host a lost worker is killed before the job goes on
 
     def tick(self, finishing: bool) -> tuple[list[int], list[int]]:
+        later, self.later = self.later, []
         if not finishing:
             self.generations.admit()
-            return [], []
-        return self._latecomers(), []
+            return [], later
+        return self._latecomers(), later
 
     def _latecomers(self) -> list[int]:
         """Replacements that the finished members will never take in."""
@@ -351,8 +329,10 @@ def supervise(
     hang: float = HANG_SECONDS,
     timeout: float = 60.0,
     addr: str = DEFAULT_ADDR,
+    first: int | None = None,
 ) -> ElasticOutcome:
-    """Run ``fn(*args, joining)`` as an elastic job of ``workers`` local processes.
+    """Run ``fn(*args, joining)`` as an elastic job of ``workers`` local processes (``first``
+    of them start it, the others join it as they are ready; default: all start it).
 
     Each worker gets the torchrun environment with ``RANK`` = its id and ``MASTER_ADDR`` /
     ``MASTER_PORT`` = the job's store, hosted here, and the job's fresh secret
@@ -375,7 +355,8 @@ def supervise(
         send.close()
         return Forked(p, recv)
 
-    sup = Supervisor(OneHost(workers, max_restarts, addr, timeout), start, hang, timeout)
+    peers = OneHost(workers, max_restarts, addr, timeout, first=first)
+    sup = Supervisor(peers, start, hang, timeout)
     try:
         return sup.run()
     finally:

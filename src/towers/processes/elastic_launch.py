@@ -91,6 +91,13 @@ def run_script_nodes(
             sup.stop()
         if nodes is not None:
             nodes.pulse.close()
+    if outcome.refused and not sup.finishing and nodes.joiner:  # none of its workers trained
+        print(
+            f"towers run ({where}): refused: the running job did not let its workers in "
+            "(above); the job goes on without this node",
+            file=sys.stderr,
+        )
+        return 2
     if nodes.coordinator and nodes.gone:
         replaced = min(nodes.store.add("restarts", 0), max_restarts)
         print(

@@ -55,7 +55,7 @@ from collections.abc import Mapping
 from ..comm.membership import Pulse, WatchedStore, clock, key, open_store
 from ..comm.store import get_signed
 from ..core.secret import JobSecret
-from .elastic import Generations, _host_store
+from .elastic_members import Generations, serve_store
 from .elastic_workers import Worker
 from .env import worker_env
 from .spawn import WorkerError
@@ -128,7 +128,7 @@ class Nodes:
         self.coordinator = node == 0
         self.away: set[int] = set()  # nodes dropped, until they come back (node 0)
         if self.coordinator:
-            self.store = _host_store(addr, port, timeout, signer)
+            self.store = serve_store(addr, port, timeout, signer)
         else:  # refused at once if node 0's store is another job's, or has another secret
             self.store = WatchedStore(
                 open_store(addr, port, timeout, signer), timeout, self._cut_off

@@ -31,7 +31,7 @@ from torch import nn
 from ...comm.base import Work
 from ...core.devices import moved
 from ...core.step import StepResult
-from ..broadcast import broadcast_module, verify_same_model
+from ..broadcast import broadcast_module, terms, verify_same_model
 from ..replica import backward_weighted
 from ..transforms import GradientTransform, check_transform, start_from
 from .gradsync import BucketPlan, GradientSync, bucket_bytes_for
@@ -67,8 +67,10 @@ class SyncDriver:
         group: Group,
         transform: GradientTransform | None = None,
         owner: Owner | None = None,
+        mode: str = "sync",
     ):
         self.group = group
+        self.mode = mode  # as the job names it: a newcomer must train the same
         self.device = group.device
         self.transform = check_transform(transform)
         self.owner = owner
@@ -193,6 +195,11 @@ class SyncDriver:
     def snapshot(self) -> Any:
         owner = self.owner.snapshot() if self.owner is not None else None
         return {"owner": owner, "transform": self.state}
+
+    def terms(self) -> dict[str, Any]:
+        assert self.model is not None
+        name = repr(self.transform)
+        return terms(self.model, self.mode, "none" if name == "allreduce()" else name)
 
     def adopt(self, snapshot: Any, newcomer: bool) -> None:
         if self.owner is not None:

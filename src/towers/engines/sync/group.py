@@ -27,6 +27,7 @@ work alive.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -35,6 +36,7 @@ import torch
 from ...comm.base import Comm, PeerFailure
 from ...comm.elastic import ElasticConnection
 from ...comm.group import Connection
+from ..broadcast import join_difference
 
 __all__ = ["ElasticGroup", "Group", "Member", "PlainGroup"]
 
@@ -50,6 +52,10 @@ class Member(Protocol):
 
     def snapshot(self) -> Any:
         """The state a member that is behind adopts."""
+        ...
+
+    def terms(self) -> dict[str, Any]:
+        """What every member must share (:func:`towers.engines.broadcast.terms`)."""
         ...
 
     def adopt(self, snapshot: Any, newcomer: bool) -> None: ...
@@ -149,6 +155,10 @@ class ElasticGroup:
 
     @property
     def comm(self) -> Comm:
+        # A newcomer asks to be let in once its model is built (start); asked for its rank
+        # before, it is let in now, and the members wait while it builds the model.
+        if self._generation is None and self.joining:
+            self.join()
         return self.conn.comm
 
     @property
@@ -165,6 +175,9 @@ class ElasticGroup:
             self._enter(None)
 
     def start(self, member: Member) -> None:
+        mine = json.dumps(member.terms())
+        if self.joining:
+            self._check_terms(mine)
         self.join()
         failed = False
         try:
@@ -174,6 +187,20 @@ class ElasticGroup:
             failed = True
         if failed:
             self._next(member, failed=True)
+        if self.conn.comm.rank == 0:
+            self.conn.membership.publish_terms(mine)
+
+    def _check_terms(self, mine: str) -> None:
+        """A newcomer that differs from the job (another model, mode or compression) stops
+        before the members take it in, saying how (:class:`~towers.comm.membership.JoinRefused`).
+        """
+        membership = self.conn.membership
+        why = join_difference(json.loads(membership.job_terms()), json.loads(mine))
+        if why is not None:
+            raise membership.refuse(
+                f"worker {membership.id}{membership.here} is not let into the running job: {why}; "
+                "start every worker with the same script and arguments"
+            )
 
     def _next(self, member: Member | None, failed: bool) -> None:
         """Leave the current generation for the next one (and agree there, with a member)."""

@@ -107,7 +107,7 @@ class _Run:
             balance=job.balance,
         )
         self.state.replica = self.replica
-        self.driver = SyncDriver(group, job.transform, owner=self.state)
+        self.driver = SyncDriver(group, job.transform, owner=self.state, mode=str(job.mode))
         self.breaks = self.plan.attach(self.replica.model)
         self.order = BatchOrder(num_samples(job.data), job.batch_size, job.shuffle, job.seed)
         # a replacement takes the state from a live peer, not from the checkpoint the job
