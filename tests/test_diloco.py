@@ -365,6 +365,29 @@ def test_a_replacement_receives_the_outer_state_at_an_exchange(tmp_path):
     assert_close_lists(got.losses, want.losses)
 
 
+def slow_mse(model, shard):
+    time.sleep(0.05)  # room for the newcomers to start while the first worker trains
+    return mse(model, shard)
+
+
+@pytest.mark.timeout(180)
+def test_workers_that_join_a_growing_job_start_from_the_outer_state():
+    got = towers.train(
+        make_net(), slow_mse, DATA, batch_size=10, steps=32, workers=3, mode="diloco:4", seed=4,
+        optimizer=ADAM, progress=False, elastic=True, min_workers=1, transport="gloo",
+        timeout=30,
+    )  # fmt: skip
+    assert got.world[:4] == [1] * 4 and got.world[-1] == 3, got.world
+    starts = [k for k in range(32) if k == 0 or got.world[k] != got.world[k - 1]]
+    assert all(k % 4 == 0 for k in starts), got.world  # newcomers join at exchanges
+    # each newcomer trains the shard after the members' with a fresh inner optimizer, from the
+    # outer model of the exchange it joined at
+    periods = [Period(k, got.world[k], list(range(got.world[k]))) for k in starts]
+    want = reference(make_net(), DATA, batch_size=10, steps=32, every=4, periods=periods, seed=4)
+    assert_same_parameters(got.model, want.outer)
+    assert_close_lists(got.losses, want.losses)
+
+
 # -- the own loop ----------------------------------------------------------------------------
 
 LOOP_BATCHES = [(DATA[0][i : i + 11], DATA[1][i : i + 11]) for i in range(0, 44, 11)] * 2
