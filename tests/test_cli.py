@@ -107,7 +107,7 @@ def test_a_bad_nnodes_or_a_node_rank_past_max_is_refused_at_once(capsys, tmp_pat
         assert said in capsys.readouterr().err
     assert main([*node, "2:3", "--node-rank", "3"]) == 2
     err = capsys.readouterr().err
-    assert "--node-rank in 0..2 (MAX-1), got --node-rank 3" in err
+    assert "--node-rank (if given) in 0..2 (MAX-1), got --node-rank 3" in err
     assert main(["run", str(script), "--nnodes", "1:2"]) == 2
     assert "--nnodes > 1 needs --elastic" in capsys.readouterr().err
 

@@ -166,7 +166,7 @@ def test_a_host_stopped_on_a_busy_machine_for_less_than_the_node_timeout_stays(t
     print(f"longest step through the stop: {gap:.1f} s")
 
 
-def test_nnodes_asks_for_elastic_a_port_and_a_node_rank(capsys, tmp_path):
+def test_nnodes_asks_for_elastic_a_port_and_a_node_rank_in_range(capsys, tmp_path):
     from towers.tools.cli import main
 
     script = tmp_path / "s.py"
@@ -176,7 +176,8 @@ def test_nnodes_asks_for_elastic_a_port_and_a_node_rank(capsys, tmp_path):
     base = ["run", str(script), "--elastic", "--nnodes", "2"]
     assert main([*base, "--node-rank", "1"]) == 2
     assert main([*base, "--master-port", "29500", "--node-rank", "2"]) == 2
-    assert "needs --master-port and --node-rank in 0..NNODES-1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "needs --master-port, and --node-rank (if given) in 0..NNODES-1" in err
     assert main([*base, "--master-port", "29500", "--node-rank", "1", "--node-timeout", "0"]) == 2
     err = capsys.readouterr().err
     assert "--node-timeout must be a finite number of seconds > 0, got 0.0" in err
@@ -272,10 +273,12 @@ def test_a_node_that_never_connects_fails_the_job_after_the_timeout(tmp_path, ca
 
 
 def _grower(
-    host, master, rank: int, port: int, tmp: Path, secret: str, steps: int, extra: tuple = ()
-):
+    host, master, rank: int | None, port: int, tmp: Path, secret: str, steps: int,
+    extra: tuple = (),
+):  # fmt: skip
+    ranked = () if rank is None else ("--node-rank", str(rank))  # None: the first free
     args = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"),
-            "-n", "1", "--elastic", "--nnodes", "2:4", "--node-rank", str(rank),
+            "-n", "1", "--elastic", "--nnodes", "2:4", *ranked,
             "--master-addr", master.addr, "--master-port", str(port),
             "--", "--progress", str(tmp / "progress"), "--out", str(tmp / "out"),
             "--steps", str(steps), "--sleep", "0.05", "--hold", str(tmp / "go"),
@@ -287,17 +290,19 @@ def _grower(
 
 @pytest.mark.timeout(120)
 def test_a_host_that_joins_mid_run_grows_the_job_and_others_are_refused(tmp_path):
-    """``--nnodes 2:4``: hosts 0 and 1 start (one worker each) and hold after 4 steps; node 3,
-    whose script builds a wider model, is refused before the job waits for it; host 2's
-    towers run is launched, and a launcher with another secret beside it, which is refused;
-    once host 2's worker runs (its node taken), a second launcher for node 2 is refused too (the
-    job has its 4 nodes). Then the job goes on, host 2's newcomer joins at a step with the live
-    state, and everyone ends with a plain loop's parameters."""
+    """``--nnodes 2:4``: hosts 0 and 1 start (one worker each, no node ranks given: the host
+    with the address hosts the store, the other takes rank 1) and hold after 4 steps; node 3, whose
+    script builds a wider model, is refused before the job waits for it; host 2's towers run is
+    launched (without a rank: it takes 2, the first free), and a launcher with another secret
+    beside it, which is refused; once host 2's worker runs (its node taken), a second launcher
+    for node 2 is refused too (the job has its 4 nodes), and so is one without a node rank (none
+    is free). Then the job goes on, host 2's newcomer joins at a step with the live state, and
+    everyone ends with a plain loop's parameters."""
     (tmp_path / "progress").mkdir()
     (tmp_path / "out").mkdir()
     port, steps, secret = random.randrange(20000, 30000), 30, "the secret of the growing job"
     with three_hosts() as (a, b, c):
-        nodes = [_grower(h, a, r, port, tmp_path, secret, steps) for r, h in enumerate((a, b))]
+        nodes = [_grower(h, a, None, port, tmp_path, secret, steps) for h in (a, b)]
         refused, logs, said = [], [], []
         try:
             progress, deadline = tmp_path / "progress", time.monotonic() + 60
@@ -309,13 +314,14 @@ def test_a_host_that_joins_mid_run_grows_the_job_and_others_are_refused(tmp_path
             refused.append(other)
             said.append(other.communicate(timeout=60)[0])
             launched = time.time()
-            nodes.append(_grower(c, a, 2, port, tmp_path, secret, steps))
+            nodes.append(_grower(c, a, None, port, tmp_path, secret, steps))
             refused.append(_grower(c, a, 2, port, tmp_path, "another secret", steps))
             while len(_family(nodes[2].pid)) < 2:  # its worker started: node 2 is taken
                 assert time.monotonic() < deadline, "node 2 started no worker"
                 assert nodes[2].poll() is None, nodes[2].communicate()
                 time.sleep(0.02)
             refused.append(_grower(c, a, 2, port, tmp_path, secret, steps))
+            refused.append(_grower(c, a, None, port, tmp_path, secret, steps))
             said += [r.communicate(timeout=60)[0] for r in refused[1:]]
             (tmp_path / "go").touch()
             logs = [node.communicate(timeout=60)[0] for node in nodes]
@@ -323,7 +329,7 @@ def test_a_host_that_joins_mid_run_grows_the_job_and_others_are_refused(tmp_path
             left = reap(nodes + refused, tmp_path)
     why = "\n".join(log[-3000:] for log in logs + said)
     assert [node.returncode for node in nodes] == [0, 0, 0], why
-    assert [r.returncode for r in refused] == [2, 1, 2], why
+    assert [r.returncode for r in refused] == [2, 1, 2, 2], why
     differs = (
         "is not let into the running job: its model differs from the job's at parameter #0: the "
         "job has parameter '0.weight' [8, 3] torch.float32, this worker parameter '0.weight' "
@@ -334,6 +340,8 @@ def test_a_host_that_joins_mid_run_grows_the_job_and_others_are_refused(tmp_path
     assert "towers run (node 2): another towers job (job " in said[1], why
     full = "refused: node 2 is already in the job (another towers run has --node-rank 2); the"
     assert f"{full} job already has its 4 nodes (--nnodes 2:4)" in said[2], why
+    free = "refused: no node rank is free: the job already has its 4 nodes (--nnodes 2:4)"
+    assert f"towers run (this node): {free}" in said[3], why
     assert left == [], why
     assert "towers run: node 2 joins the job" in logs[0], why
 

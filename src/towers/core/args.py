@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["MAX_TIMEOUT", "check_timeout", "nnodes_of"]
+__all__ = ["MAX_TIMEOUT", "check_timeout", "nnodes_of", "node_timeout_of"]
 
 # torch.distributed keeps a timeout in nanoseconds in 64 bits, and Python's threads accept waits
 # up to threading.TIMEOUT_MAX: both end near 9.2e9 s, and 1e10 overflows inside a worker.
@@ -62,3 +62,28 @@ def nnodes_of(spec: str) -> tuple[int, int]:
             "hosts and grows up to MAX"
         )
     return least, most
+
+
+def node_timeout_of(timeout: float, given: float | None = None) -> float:
+    """Seconds of silence after which node 0 drops a node: ``given``, else ``timeout / 4``.
+
+    It must stay below the job's timeout: across a partition the other nodes' workers wait in
+    a sum with the silent node's for up to the timeout, and the node cut off stops itself after
+    it; dropping the silent node first lets them go on. A quarter (15 s for the default 60 s,
+    as torchrun's rendezvous keep-alive: 3 missed beats of 5 s) leaves a starved or briefly
+    stopped launcher seconds to spare.
+
+    Raises:
+        ValueError: ``given`` is not a positive number of seconds below ``timeout``.
+    """
+    if given is None:
+        return timeout / 4
+    if isinstance(given, bool) or not isinstance(given, (int, float)):
+        raise ValueError(f"--node-timeout must be a number of seconds, got {given!r}")
+    if not 0 < given < timeout:
+        raise ValueError(
+            f"--node-timeout must be above 0 and below --timeout ({timeout:g} s), got {given:g}: "
+            "a node silent that long is dropped, and the other nodes' workers must not time out "
+            f"waiting for it first (default: a quarter of --timeout, {timeout / 4:g} s)"
+        )
+    return float(given)

@@ -25,7 +25,7 @@ def run_script_nodes(
     args: Sequence[str] = (),
     *,
     nnodes: int | tuple[int, int],
-    node_rank: int,
+    node_rank: int | None,
     addr: str,
     port: int,
     max_restarts: int = 0,
@@ -35,26 +35,28 @@ def run_script_nodes(
 ) -> int:
     """One node of ``towers run --elastic --nnodes M``: supervise this node's ``nproc`` workers.
 
-    ``nnodes``: the nodes the job starts with, or ``(MIN, MAX)``
-    (:func:`towers.core.args.nnodes_of`): nodes 0..MIN-1 start it, and a node MIN..MAX-1 joins
-    it while it runs; its workers are let in at the members' next step with the state of a
-    live peer.
+    ``node_rank``: ``None`` for node 0 where this host can listen on ``addr``:``port``, else
+    the first node rank free in the job. ``nnodes``: the nodes the job starts with, or
+    ``(MIN, MAX)`` (:func:`towers.core.args.nnodes_of`): nodes 0..MIN-1 start it, and a node
+    MIN..MAX-1 joins it while it runs; its workers are let in at the members' next step with
+    the state of a live peer.
 
     ``secret`` is the job's, the same on every node (``TOWERS_SECRET``, ``--secret-file``); a
     node whose secret differs from node 0's is refused at once. ``node_timeout``: seconds of
-    silence after which node 0 drops a node (``--node-timeout``, :func:`node_timeout_of`).
-    Returns 0 when every worker of
-    this node that was not lost has exited 0 (on node 0: and every other node is done), else the
-    failed worker's exit code, or 1 if the store is lost or refused this node.
+    silence after which node 0 drops a node (``--node-timeout``,
+    :func:`~towers.core.args.node_timeout_of`). Returns 0 when every worker of this node that
+    was not lost has exited 0 (on node 0: and every other node is done), else the failed
+    worker's exit code, or 1 if the store is lost or refused this node.
     """
     choose_interface(addr, "gloo")  # the workers inherit GLOO_SOCKET_IFNAME
     start = script_starter(script, args, nproc)
-    where = f"node {node_rank}"
+    where = "this node" if node_rank is None else f"node {node_rank}"
     nodes: Nodes | None = None
     sup: Supervisor | None = None
     place = (nproc, nnodes, node_rank, max_restarts, addr, port, timeout, secret, node_timeout)
     try:
         nodes = Nodes(*place)
+        where = f"node {nodes.node}"  # claimed from node 0's store if not given
         sup = Supervisor(nodes, start, min(HANG_SECONDS, timeout), timeout)
         outcome = sup.run(until_all=True)
     except NodeDropped as exc:

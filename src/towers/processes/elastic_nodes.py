@@ -23,12 +23,12 @@ store's keys:
   replacements, and latecomers are stopped by their own node.
 - ``abort``: a worker failed (exited non-zero): every node stops its workers and exits.
 - ``node/<r>/beat``, ``node/<r>/done``: each launcher's heartbeat (counted up every 0.2 s by a
-  thread of its own, :class:`~towers.comm.membership.Pulse`, so that a launcher whose main
-  loop is starved on a loaded machine still shows it is alive), and that it has no workers
-  left. Node 0 keeps the store up until every node is done; a node whose launcher falls silent
-  for the node timeout (:func:`node_timeout_of`: a quarter of the job's timeout unless given) is
-  lost with all its workers (they die with their launcher), and the others train on. A node
-  that loses node 0 (the store) stops.
+  thread of its own, :class:`~towers.comm.membership.Pulse`, so that a launcher whose main loop
+  is starved on a loaded machine still shows it is alive), and that it has no workers left. Node
+  0 keeps the store up until every node is done; a node whose launcher falls silent for the node
+  timeout (:func:`~towers.core.args.node_timeout_of`: a quarter of the job's timeout unless
+  given) is lost with all its workers (they die with their launcher), and the others train on. A
+  node that loses node 0 (the store) stops.
 - ``node/<r>/dropped``, ``lost/<id>``: node 0 dropped node ``r`` (silent, not necessarily
   dead: a network partition, a stopped host), and when. Node ``r``, if it hears from the job
   again before it ends, stops its dropped workers (not taken for failed ones), starts as many
@@ -51,41 +51,18 @@ import socket
 import sys
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from ..comm.membership import Pulse, WatchedStore, clock, key, open_store
 from ..comm.store import get_signed
+from ..core.args import node_timeout_of
 from ..core.secret import JobSecret
 from .elastic_members import Generations, serve_store
 from .elastic_workers import Worker
 from .env import worker_env
 from .spawn import WorkerError
 
-__all__ = ["NodeDropped", "NodeRefused", "Nodes", "node_timeout_of"]
-
-
-def node_timeout_of(timeout: float, given: float | None = None) -> float:
-    """Seconds of silence after which node 0 drops a node: ``given``, else ``timeout / 4``.
-
-    It must stay below the job's timeout: across a partition the other nodes' workers wait in
-    a sum with the silent node's for up to the timeout, and the node cut off stops itself after
-    it; dropping the silent node first lets them go on. A quarter (15 s for the default 60 s,
-    as torchrun's rendezvous keep-alive: 3 missed beats of 5 s) leaves a starved or briefly
-    stopped launcher seconds to spare.
-
-    Raises:
-        ValueError: ``given`` is not a positive number of seconds below ``timeout``.
-    """
-    if given is None:
-        return timeout / 4
-    if isinstance(given, bool) or not isinstance(given, (int, float)):
-        raise ValueError(f"--node-timeout must be a number of seconds, got {given!r}")
-    if not 0 < given < timeout:
-        raise ValueError(
-            f"--node-timeout must be above 0 and below --timeout ({timeout:g} s), got {given:g}: "
-            "a node silent that long is dropped, and the other nodes' workers must not time out "
-            f"waiting for it first (default: a quarter of --timeout, {timeout / 4:g} s)"
-        )
-    return float(given)
+__all__ = ["NodeDropped", "NodeRefused", "Nodes"]
 
 
 class NodeDropped(Exception):
@@ -107,7 +84,7 @@ class Nodes:
         self,
         nproc: int,
         nnodes: int | tuple[int, int],
-        node: int,
+        node: int | None,
         max_restarts: int,
         addr: str,
         port: int,
@@ -116,26 +93,17 @@ class Nodes:
         node_timeout: float | None = None,
     ):
         least, self.most = (nnodes, nnodes) if isinstance(nnodes, int) else nnodes
-        self.nproc, self.nnodes, self.node = nproc, least, node
-        self.joiner = node >= least  # a node that joins the running job
-        self.watched = set(range(least))  # the nodes node 0 waits for: those in the job
+        self.nproc, self.nnodes = nproc, least
         self.silence = node_timeout_of(timeout, node_timeout)  # a node silent this long is dropped
         self.workers, self.max_restarts = nproc * least, max_restarts
         self.addr, self.port, self.timeout = addr, port, timeout
         self.secret = secret  # the workers get it; it signs the membership records
         self.signer = signer = None if secret is None else JobSecret(secret)
         self.running: Mapping[int, Worker] = {}
-        self.coordinator = node == 0
         self.away: set[int] = set()  # nodes dropped, until they come back (node 0)
-        if self.coordinator:
-            self.store = serve_store(addr, port, timeout, signer)
-        else:  # refused at once if node 0's store is another job's, or has another secret
-            self.store = WatchedStore(
-                open_store(addr, port, timeout, signer), timeout, self._cut_off
-            )
+        self.node = -1 if node is None else node  # -1: claimed from node 0's store (_claim)
+        self.store, self.coordinator = self._connect(node)
         self.generations = Generations(self.store, signer)  # kept by node 0 only
-        # worker id -> local rank; a joining node's ids are given out when it joins
-        self.local_rank = {} if self.joiner else {node * nproc + i: i for i in range(nproc)}
         self.local_new: set[int] = set()  # this node's replacements
         self.finishing = False  # a worker has finished, here or on another node
         self.seen = 0  # notices read (node 0)
@@ -144,7 +112,12 @@ class Nodes:
         self.nodes_done: set[int] = set()
         self.told: set[str] = set()
         self.launched = time.monotonic()
+        self.watched = set(range(least))  # the nodes node 0 waits for: those in the job
         self._same_width()
+        self.joiner = self.node >= least  # a node that joins the running job
+        # worker id -> local rank; a joining node's ids are given out when it joins
+        ids = range(self.node * nproc, (self.node + 1) * nproc)
+        self.local_rank = {} if self.joiner else {wid: wid - ids[0] for wid in ids}
         self.first = list(self.local_rank)
         if self.joiner:
             self.first = self._take_place()
@@ -152,7 +125,23 @@ class Nodes:
             self.generations.publish(list(range(self.workers)))
         # the heartbeat's own client: node 0 watches it; the main loop's calls are watched here
         beat = open_store(addr, port, timeout, signer)
-        self.pulse = Pulse(beat, f"node/{node}/beat", every=min(0.2, self.silence / 10))
+        self.pulse = Pulse(beat, f"node/{self.node}/beat", every=min(0.2, self.silence / 10))
+
+    def _connect(self, node: int | None) -> tuple[Any, bool]:
+        """The job's store, and whether this node hosts it: node 0 does; without a node rank,
+        the host that can listen on the address (its own, and the port free) does."""
+        if node in (0, None):
+            try:
+                store = serve_store(self.addr, self.port, self.timeout, self.signer)
+            except OSError:
+                if node == 0:
+                    raise
+            else:
+                self.node = 0
+                return store, True
+        # refused at once if node 0's store is another job's, or has another secret
+        client = open_store(self.addr, self.port, self.timeout, self.signer)
+        return WatchedStore(client, self.timeout, self._cut_off), False
 
     def join(self, running: Mapping[int, Worker]) -> tuple[list[int], bool]:
         self.running = running
@@ -165,15 +154,19 @@ class Nodes:
             self.store.set("nproc", f"{self.nproc} {self.span}")
             return
         self.store.wait(["nproc"])
+        claimed = self.node < 0  # without a rank: take one first, to know whether it joins
+        if claimed:
+            self._claim()
         theirs, span = self.store.get("nproc").decode().split()
         if int(theirs) != self.nproc:
             error = f"-n {self.nproc} here but -n {theirs} on node 0: every node needs the same -n"
         elif span != self.span:
             error = f"--nnodes {self.span} here but {span} on node 0: every node needs the same"
         else:
-            self._claim()
+            if not claimed:
+                self._claim()
             return
-        if self.joiner:
+        if self.node >= self.nnodes:  # a node that would join: only it stops
             raise NodeRefused(f"{error}; the job goes on without this node")
         self.store.set("abort", json.dumps({"node": self.node, "error": error, "code": 2}))
         raise WorkerError(error, -1, 2)
@@ -184,7 +177,17 @@ class Nodes:
         return str(self.most) if self.nnodes == self.most else f"{self.nnodes}:{self.most}"
 
     def _claim(self) -> None:
-        """Take this node's place in the job, which only one towers run may hold."""
+        """Take this node's place in the job, which only one towers run may hold; without a
+        node rank, the first free one (hosts 1..MIN-1 start the job, later ones join it)."""
+        if self.node < 0:
+            for r in range(1, self.most):
+                if self.store.add(f"node/{r}/claim", 1) == 1:
+                    self.node = r
+                    return
+            raise NodeRefused(
+                f"no node rank is free: the job already has its {self.most} nodes (--nnodes "
+                f"{self.span})"
+            )
         if self.store.add(f"node/{self.node}/claim", 1) == 1:
             return
         taken = [r for r in range(1, self.most) if self.store.check([f"node/{r}/claim"])]

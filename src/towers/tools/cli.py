@@ -150,9 +150,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_elastic(args: argparse.Namespace, processes: int, secret: str | None) -> int:
-    from ..core.args import check_timeout
+    from ..core.args import check_timeout, node_timeout_of
     from ..processes.elastic import run_script_elastic
-    from ..processes.elastic_nodes import node_timeout_of
 
     timeout = args.timeout
     try:
@@ -191,17 +190,19 @@ def _run_nodes(args: argparse.Namespace, processes: int, timeout: float, secret:
     from ..processes.elastic_launch import run_script_nodes
 
     least, most = args.nnodes
-    if args.port is None or not 0 <= args.node_rank < most:
+    rank = args.node_rank
+    if args.port is None or (rank is not None and not 0 <= rank < most):
         span = "NNODES-1" if least == most else f"{most - 1} (MAX-1)"
         print(
-            f"towers run: --nnodes > 1 needs --master-port and --node-rank in 0..{span}, got "
-            f"--node-rank {args.node_rank}",
+            f"towers run: --nnodes > 1 needs --master-port, and --node-rank (if given) in "
+            f"0..{span}, got --node-rank {rank}",
             file=sys.stderr,
         )
         return 2
     if secret is None:
         print(
-            f"towers run (node {args.node_rank}): no job secret (TOWERS_SECRET or "
+            f"towers run ({'this node' if rank is None else f'node {rank}'}): no job secret "
+            "(TOWERS_SECRET or "
             "--secret-file): the nodes cannot tell this job from another on the same port, and "
             "whoever reaches the port can disturb it; messages are limited to tensors and plain "
             "data. Give every node the same secret (docs/reliability.md, threat model)",

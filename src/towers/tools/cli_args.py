@@ -118,7 +118,7 @@ def _add_run(sub: argparse._SubParsersAction, handler: Handler) -> None:
         help="run a script as N local workers (the torchrun environment)",
         usage="towers run SCRIPT [-n N] [--mode M] [--show-ranks R[,R...]] [--addr A] "
         "[--port P] [--secret-file F] [--elastic [--max-restarts R] [--timeout S] "
-        "[--nnodes M|MIN:MAX --node-rank R [--node-timeout S]]] [--] [ARGS ...]",
+        "[--nnodes M|MIN:MAX [--node-rank R] [--node-timeout S]]] [--] [ARGS ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="""\
 Start N copies of SCRIPT with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
@@ -193,10 +193,11 @@ def _add_run_elastic(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--node-rank",
         type=int,
-        default=0,
+        default=None,
         metavar="R",
         help="with --nnodes: this host's rank, 0 hosts the store; MIN..MAX-1 join a running "
-        "job (default 0)",
+        "job (default: 0 on the host that has --master-addr, else the first rank free, as "
+        "torchrun's rendezvous hands them out)",
     )
     run.add_argument(
         "--elastic",
