@@ -123,9 +123,13 @@ class Nodes:
             self.first = self._take_place()
         if self.coordinator:
             self.generations.publish(list(range(self.workers)))
-        # the heartbeat's own client: node 0 watches it; the main loop's calls are watched here
-        beat = open_store(addr, port, timeout, signer)
-        self.pulse = Pulse(beat, f"node/{self.node}/beat", every=min(0.2, self.silence / 10))
+        self.pulse = self._pulse()
+
+    def _pulse(self) -> Pulse:
+        """This node's heartbeat, on a store client of its own (node 0 watches it; the main
+        loop's calls are watched here)."""
+        beat = open_store(self.addr, self.port, self.timeout, self.signer)
+        return Pulse(beat, f"node/{self.node}/beat", every=min(0.2, self.silence / 10))
 
     def _connect(self, node: int | None) -> tuple[Any, bool]:
         """The job's store, and whether this node hosts it: node 0 does; without a node rank,
@@ -356,6 +360,10 @@ class Nodes:
             raise NodeDropped(f"{said}; the others train on without them")
         self.store.delete_key(f"node/{self.node}/dropped")
         new = [self._new_id(local) for local in range(self.nproc)]
+        # A heartbeat sent during the cut may wait for TCP's next resend, seconds after the link
+        # is back (the interval doubles with each one lost): beat on a fresh connection.
+        self.pulse.close()
+        self.pulse = self._pulse()
         self.store.add(f"node/{self.node}/back", 1)
         print(
             f"towers run (node {self.node}): {said}; it rejoins with workers {new}, let in at "
