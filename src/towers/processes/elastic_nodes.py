@@ -335,7 +335,10 @@ class Nodes:
             self._read_notices()
             self._watch_nodes()
         if self.finishing:
-            return self._latecomers(), []
+            stop = self._latecomers()
+            if set(self.running) <= set(stop):  # its last workers are stopped: it is done
+                self._tell(f"node/{self.node}/done")
+            return stop, []
         if self.coordinator:
             self._admit()
         return [], []
