@@ -323,6 +323,12 @@ def test_a_host_that_joins_mid_run_grows_the_job_and_others_are_refused(tmp_path
             refused.append(_grower(c, a, 2, port, tmp_path, secret, steps))
             refused.append(_grower(c, a, None, port, tmp_path, secret, steps))
             said += [r.communicate(timeout=60)[0] for r in refused[1:]]
+            # node 2's newcomer (id 3) asks in from ctx.replicate: let the job go on once it is
+            # there, or on a busy machine the job may end before it is built
+            while not (tmp_path / "out" / "replicating-3").exists():
+                assert time.monotonic() < deadline + 60, "node 2's worker never got to replicate"
+                assert nodes[2].poll() is None, nodes[2].communicate()
+                time.sleep(0.02)
             (tmp_path / "go").touch()
             logs = [node.communicate(timeout=60)[0] for node in nodes]
         finally:

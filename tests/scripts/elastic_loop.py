@@ -4,7 +4,9 @@ Each worker grows its file in ``--progress`` by a byte per step (so the test can
 and a victim), and every worker that finishes writes its final parameters and the losses to
 ``--out``, with the towers of each step and when it completed. The loop only adds
 ``if r.redo: continue`` to the usual own loop. With ``--hold FILE`` every worker waits after
-four steps until FILE exists, so that a test can look at a job that is surely running.
+four steps until FILE exists, so that a test can look at a job that is surely running, and
+each worker leaves ``replicating-RANK`` in ``--out`` once ``towers.init`` has returned (a
+newcomer is let in from ``ctx.replicate``, at the members' next step).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = towers.init(timeout=args.timeout)
+    if args.hold:  # the test may go on once every worker is about to build its model
+        open(os.path.join(args.out, f"replicating-{os.environ['RANK']}"), "w").close()
     model = ctx.replicate(
         build(args.batchnorm, args.hidden), sync_batchnorm=args.batchnorm, compress=args.compress
     )
