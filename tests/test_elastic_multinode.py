@@ -350,6 +350,8 @@ def test_a_host_that_joins_mid_run_grows_the_job_and_others_are_refused(tmp_path
     assert f"towers run (this node): {free}" in said[3], why
     assert left == [], why
     assert "towers run: node 2 joins the job" in logs[0], why
+    refused = "towers run: newcomers [2] were not let in (their nodes said why); the others"
+    assert refused in logs[0] and "were lost" not in logs[0], why
 
     finals = saved_finals(tmp_path / "out")
     assert set(finals) == {0, 1, 3}, why  # node 2's worker: id 3 (id 2 went to node 3's)

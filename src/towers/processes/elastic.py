@@ -45,7 +45,7 @@ from typing import Any, Protocol
 from ..comm.membership import key
 from ..comm.net import DEFAULT_ADDR, free_port, is_loopback
 from ..comm.rendezvous import choose_interface
-from ..comm.store import get_signed
+from ..comm.store import get_signed, put_signed
 from ..core.secret import JobSecret, new_secret
 from .elastic_members import Generations, serve_store
 from .elastic_workers import Forked, Starter, Worker, script_starter
@@ -209,6 +209,7 @@ class Supervisor:
                 f"worker {wid}, a newcomer, failed before the job let it in "
                 f"({failure[0] if failure else 'no message'}); the job goes on without it"
             )
+            put_signed(store, signer, f"refused/{wid}", why)  # for the job's last line
         if why is None:
             return False
         self.procs.pop(wid).kill()

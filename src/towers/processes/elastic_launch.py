@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from ..comm.rendezvous import choose_interface
-from ..comm.store import ForeignJob
+from ..comm.store import ForeignJob, get_signed
 from .elastic import HANG_SECONDS, Supervisor
 from .elastic_nodes import NodeDropped, NodeRefused, Nodes
 from .elastic_workers import script_starter
@@ -100,11 +100,18 @@ def run_script_nodes(
             file=sys.stderr,
         )
         return 2
-    if nodes.coordinator and nodes.gone:
+    turned = {w for w in nodes.gone if get_signed(nodes.store, nodes.signer, f"refused/{w}")}
+    if nodes.coordinator and turned:
+        print(
+            f"towers run: newcomers {sorted(turned)} were not let in (their nodes said why); "
+            "the others trained on",
+            file=sys.stderr,
+        )
+    if nodes.coordinator and nodes.gone - turned:
         replaced = min(nodes.store.add("restarts", 0), max_restarts)
         print(
-            f"towers run: workers {sorted(nodes.gone)} were lost, {replaced} replaced; the others "
-            "trained on",
+            f"towers run: workers {sorted(nodes.gone - turned)} were lost, {replaced} replaced; "
+            "the others trained on",
             file=sys.stderr,
         )
     elif outcome.dead:
