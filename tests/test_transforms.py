@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import random
 import signal
+import time
 
 import pytest
 import torch
@@ -173,6 +174,30 @@ def test_a_transform_in_an_elastic_job_that_loses_a_worker(tmp_path):
         reference, (x, y), batch_size=16, steps=24, optimizer=_sgd(0.01 / 2), loss_fn=mse
     )
     assert len(hit) == 1 and result.dead_workers == [hit[0][0]]
+    assert_same_parameters(result.model, reference)
+    assert_close_lists(result.losses, losses)
+
+
+def slow_mse(model, shard):
+    time.sleep(0.03)  # room for the newcomer to start while the others train
+    return mse(model, shard)
+
+
+@pytest.mark.timeout(120)
+def test_workers_with_a_transform_of_no_repr_join_a_growing_job(tmp_path):
+    """A newcomer compares the job's compression with its own before it is let in: a transform
+    without a repr of its own (its address differs in every process) is the same transform."""
+    x, y = _data()
+    result = towers.train(
+        make_net(), slow_mse, (x, y), batch_size=16, steps=24, workers=3, elastic=True,
+        min_workers=2, transform=chain(Half(), allreduce()), transport="gloo", timeout=30,
+        progress=False,
+    )  # fmt: skip
+    reference = make_net()
+    losses, _, _ = reference_loop(
+        reference, (x, y), batch_size=16, steps=24, optimizer=_sgd(0.01 / 2), loss_fn=mse
+    )
+    assert result.world[0] == 2 and result.world[-1] == 3, result.world
     assert_same_parameters(result.model, reference)
     assert_close_lists(result.losses, losses)
 

@@ -46,7 +46,8 @@ def run_script_nodes(
     silence after which node 0 drops a node (``--node-timeout``,
     :func:`~towers.core.args.node_timeout_of`). Returns 0 when every worker of this node that
     was not lost has exited 0 (on node 0: and every other node is done), else the failed
-    worker's exit code, or 1 if the store is lost or refused this node.
+    worker's exit code, 1 if the store is lost or is another job's, or 2 if the job refused
+    this node (its place, its width, or its workers differ from the job's).
     """
     choose_interface(addr, "gloo")  # the workers inherit GLOO_SOCKET_IFNAME
     start = script_starter(script, args, nproc)

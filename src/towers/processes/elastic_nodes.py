@@ -44,6 +44,7 @@ this node lost contact with the job and since when.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -55,7 +56,7 @@ from typing import Any
 
 from ..comm.membership import Pulse, WatchedStore, clock, key, open_store
 from ..comm.store import get_signed
-from ..core.args import node_timeout_of
+from ..core.args import nnodes_of, node_timeout_of
 from ..core.secret import JobSecret
 from .elastic_members import Generations, serve_store
 from .elastic_workers import Worker
@@ -137,8 +138,8 @@ class Nodes:
         if node in (0, None):
             try:
                 store = serve_store(self.addr, self.port, self.timeout, self.signer)
-            except OSError:
-                if node == 0:
+            except OSError as exc:  # not this host's address, or node 0 listens on it here
+                if node == 0 or exc.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
                     raise
             else:
                 self.node = 0
@@ -158,19 +159,16 @@ class Nodes:
             self.store.set("nproc", f"{self.nproc} {self.span}")
             return
         self.store.wait(["nproc"])
-        claimed = self.node < 0  # without a rank: take one first, to know whether it joins
-        if claimed:
-            self._claim()
         theirs, span = self.store.get("nproc").decode().split()
         if int(theirs) != self.nproc:
             error = f"-n {self.nproc} here but -n {theirs} on node 0: every node needs the same -n"
         elif span != self.span:
             error = f"--nnodes {self.span} here but {span} on node 0: every node needs the same"
         else:
-            if not claimed:
-                self._claim()
+            self._claim()
             return
-        if self.node >= self.nnodes:  # a node that would join: only it stops
+        # A node without a rank takes none; one that would join (by node 0's MIN) stops alone.
+        if self.node < 0 or self.node >= nnodes_of(span)[0]:
             raise NodeRefused(f"{error}; the job goes on without this node")
         self.store.set("abort", json.dumps({"node": self.node, "error": error, "code": 2}))
         raise WorkerError(error, -1, 2)

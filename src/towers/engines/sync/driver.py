@@ -22,6 +22,7 @@ kept by survivors and handed to replacements (``snapshot``/``adopt``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -198,7 +199,10 @@ class SyncDriver:
 
     def terms(self) -> dict[str, Any]:
         assert self.model is not None
-        name = repr(self.transform)
+        # A transform without a repr of its own shows its address, and its module is
+        # __mp_main__ in a forked worker: neither says what it does.
+        name = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(self.transform))
+        name = name.replace("__mp_main__.", "__main__.")
         return terms(self.model, self.mode, "none" if name == "allreduce()" else name)
 
     def adopt(self, snapshot: Any, newcomer: bool) -> None:

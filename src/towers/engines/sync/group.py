@@ -152,6 +152,7 @@ class ElasticGroup:
         self._failed = False  # the current generation lost a peer
         self._latched = False  # a forward-pass collective failed: the step must be redone
         self._move = False  # the members agreed to regroup after this step
+        self._terms: str | None = None  # what the members share, as JSON (start)
 
     @property
     def comm(self) -> Comm:
@@ -175,9 +176,9 @@ class ElasticGroup:
             self._enter(None)
 
     def start(self, member: Member) -> None:
-        mine = json.dumps(member.terms())
+        self._terms = json.dumps(member.terms())
         if self.joining:
-            self._check_terms(mine)
+            self._check_terms(self._terms)
         self.join()
         failed = False
         try:
@@ -187,8 +188,14 @@ class ElasticGroup:
             failed = True
         if failed:
             self._next(member, failed=True)
-        if self.conn.comm.rank == 0:
-            self.conn.membership.publish_terms(mine)
+        else:
+            self._publish_terms()
+
+    def _publish_terms(self) -> None:
+        """Rank 0 of each generation says what its members share, for newcomers to compare
+        (every rank 0: the first may be lost before it wrote them)."""
+        if self._terms is not None and self.conn.comm.rank == 0:
+            self.conn.membership.publish_terms(self._terms)
 
     def _check_terms(self, mine: str) -> None:
         """A newcomer that differs from the job (another model, mode or compression) stops
@@ -222,6 +229,7 @@ class ElasticGroup:
                 if member is not None:
                     self._agree(member)
                     member.rebind()
+                    self._publish_terms()
             except PeerFailure:
                 failed = True
             if not failed:
