@@ -108,6 +108,13 @@ def _run_with_faults(
     finally:
         saboteur.stop.set()
         saboteur.join()
+    reference, losses = _reference(steps, batch, build)
+    return result, reference, losses, saboteur.hit
+
+
+def _reference(steps: int, batch: int = 16, build=make_net) -> tuple[torch.nn.Module, list]:
+    """A plain loop over the same batches with train's default optimizer: model and losses."""
+    x, y = _data()
     reference = build()
     losses, _, _ = reference_loop(
         reference,
@@ -117,7 +124,27 @@ def _run_with_faults(
         optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
         loss_fn=lambda m, s: (m(s[0]) - s[1]).square().mean(),
     )
-    return result, reference, losses, saboteur.hit
+    return reference, losses
+
+
+def _grown(tmp_path, steps: int, **train_kw):
+    """An elastic train() of 3 workers that starts with fewer (``min_workers`` in
+    ``train_kw``); returns the result and the directory of its loss calls (traced_mse)."""
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    result = towers.train(
+        make_net(),
+        functools.partial(traced_mse, str(progress)),
+        _data(),
+        batch_size=16,
+        steps=steps,
+        workers=3,
+        elastic=True,
+        timeout=30,
+        progress=False,
+        **train_kw,
+    )
+    return result, progress
 
 
 CASES = [
@@ -218,30 +245,8 @@ def test_elastic_is_refused_outside_sync_mode(monkeypatch):
 
 @pytest.mark.timeout(90)
 def test_workers_join_a_job_that_started_with_fewer(tmp_path):
-    x, y = _data()
-    progress = tmp_path / "progress"
-    progress.mkdir()
-    result = towers.train(
-        make_net(),
-        functools.partial(traced_mse, str(progress)),
-        (x, y),
-        batch_size=16,
-        steps=30,
-        workers=3,
-        elastic=True,
-        min_workers=1,
-        timeout=30,
-        progress=False,
-    )
-    reference = make_net()
-    losses, _, _ = reference_loop(
-        reference,
-        (x, y),
-        batch_size=16,
-        steps=30,
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
-        loss_fn=lambda m, s: (m(s[0]) - s[1]).square().mean(),
-    )
+    result, progress = _grown(tmp_path, 30, min_workers=1)
+    reference, losses = _reference(30)
     # worker 0 starts alone; workers 1 and 2 are let in at step boundaries as they are built
     assert result.world[0] == 1 and result.world[-1] == 3, result.world
     assert result.world == sorted(result.world), result.world
@@ -259,31 +264,8 @@ def sgd_but_not_on_worker_2(params):
 
 @pytest.mark.timeout(90)
 def test_a_newcomer_that_fails_before_it_is_let_in_leaves_the_job_untouched(tmp_path, capfd):
-    x, y = _data()
-    progress = tmp_path / "progress"
-    progress.mkdir()
-    result = towers.train(
-        make_net(),
-        functools.partial(traced_mse, str(progress)),
-        (x, y),
-        batch_size=16,
-        steps=20,
-        workers=3,
-        elastic=True,
-        min_workers=2,
-        optimizer=sgd_but_not_on_worker_2,
-        timeout=30,
-        progress=False,
-    )
-    reference = make_net()
-    reference_loop(
-        reference,
-        (x, y),
-        batch_size=16,
-        steps=20,
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
-        loss_fn=lambda m, s: (m(s[0]) - s[1]).square().mean(),
-    )
+    result, _ = _grown(tmp_path, 20, min_workers=2, optimizer=sgd_but_not_on_worker_2)
+    reference, _ = _reference(20)
     said = capfd.readouterr().err
     assert "towers: worker 2, a newcomer, failed before the job let it in (" in said, said
     assert "worker 2 cannot build its optimizer" in said and "the job goes on without it" in said
