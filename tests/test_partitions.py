@@ -9,9 +9,11 @@ host 0 trains on and ends with the parameters of a plain single-process loop
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -179,3 +181,44 @@ def test_a_dropped_worker_stops_with_one_line_saying_when_and_why():
         f"towers: worker 1 was dropped from the job at {when} (node 1's towers run was silent "
         "for 5 s); the others train on without it. This worker stops"
     )
+
+
+# A launcher whose heartbeat's call waits on a store that stopped answering (a link cut, or
+# node 0 stopped) as it exits; the store answers (its process is killed) as the interpreter
+# shuts down (the atexit function registered first runs last).
+_BEATING_AT_EXIT = """
+import atexit, os, signal, subprocess, sys, time
+from towers.comm.membership import Pulse, own_client
+port = int(sys.argv[1])
+serve = "import sys, time; from towers.processes.elastic_members import serve_store; "
+serve += f"s = serve_store('127.0.0.1', {port}, 30, None); print('up', flush=True); time.sleep(60)"
+server = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True,
+                          stderr=subprocess.DEVNULL)
+atexit.register(os.kill, server.pid, signal.SIGKILL)
+print(server.pid, flush=True)
+assert server.stdout.readline() == "up\\n"
+pulse = Pulse(own_client("127.0.0.1", port, 30, None), "beat", every=0.05)
+os.kill(server.pid, signal.SIGSTOP)
+time.sleep(0.5)  # the pulse's call now waits
+began = time.monotonic()
+pulse.close()
+print(f"{time.monotonic() - began:.1f} {pulse._thread.is_alive()}", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeat_whose_call_is_stuck_is_broken_off_before_its_launcher_exits():
+    """A daemon thread that returns from a store call while the interpreter shuts down dies in
+    C++ frames and aborts the process ("terminate called without an active exception", exit
+    -6), as `towers run` did when the heartbeat's call, held up by a cut, ended as it exited.
+    Closing the heartbeat waits 2 s for its call, then breaks its connection: the thread ends
+    and the process exits normally."""
+    env = {**os.environ, "PYTHONPATH": SRC}
+    port = random.randrange(20000, 30000)
+    done = subprocess.run([sys.executable, "-c", _BEATING_AT_EXIT, str(port)], env=env,
+                          capture_output=True, text=True, timeout=40)  # fmt: skip
+    server, *closed = done.stdout.split()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(int(server), signal.SIGKILL)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert closed[1] == "False" and 2.0 <= float(closed[0]) < 4.0, closed  # ended, 2 s late

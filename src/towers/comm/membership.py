@@ -60,6 +60,7 @@ __all__ = [
     "clock",
     "key",
     "open_store",
+    "own_client",
 ]
 
 HEARTBEAT = 0.2  # seconds between a worker's heartbeats
@@ -92,6 +93,53 @@ def key(generation: int, name: str) -> str:
 def open_store(addr: str, port: int, timeout: float, secret: JobSecret | None) -> Any:
     """A client of the job's store (the supervisor hosts it), checked to be this job's."""
     return job_store(client_store(addr, port, timeout, secret), secret)
+
+
+def own_client(
+    addr: str, port: int, timeout: float, secret: JobSecret | None
+) -> tuple[Any, Callable[[], None]]:
+    """A store client for a thread of its own, and ``cut()``, which breaks its connection.
+
+    A call on a connection whose peer stopped answering (a link cut, a stopped host) waits for
+    TCP's next resend or for the kernel to give up, whatever the store's timeout. A daemon
+    thread that returns from such a call while the interpreter shuts down is ended inside the
+    call's C++ frames and the process aborts (``terminate called without an active
+    exception``, exit -6); ``cut()`` makes the call fail at once, so its thread can be waited
+    for. It shuts down the client's socket (found as the one it opened to ``port``; none on a
+    system without ``/proc``), not the other clients'.
+    """
+    before = set(_sockets().values())
+    store = open_store(addr, port, timeout, secret)
+    mine = [fd for fd, s in _sockets().items() if s not in before and _peer_port(fd) == port]
+
+    def cut() -> None:
+        for fd in mine:  # the client is alive (its owner holds it): the numbers are still its
+            if _peer_port(fd) == port:
+                with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as conn:
+                    conn.shutdown(socket.SHUT_RDWR)
+
+    return store, cut
+
+
+def _sockets() -> dict[int, str]:
+    """This process's sockets: file descriptor -> ``socket:[INODE]``."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/self/fd/{fd}")
+                if link.startswith("socket:"):
+                    found[int(fd)] = link
+    return found
+
+
+def _peer_port(fd: int) -> int | None:
+    """The remote port of socket ``fd``, or ``None`` if it is no connected socket."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as conn:
+            return int(conn.getpeername()[1])
+    except (OSError, IndexError, TypeError):
+        return None
 
 
 def clock(when: float) -> str:
@@ -155,13 +203,14 @@ class Pulse:
 
     A launcher's liveness must not depend on its main loop being scheduled: on a loaded machine
     a loop that makes a dozen store round trips a tick can fall seconds behind, while a thread
-    that wakes only to make one call still runs. ``store`` is this thread's own client (a
-    TCPStore client is not shared across threads). A call that fails ends the pulse: the
-    launcher's main loop meets the same store and says what happened.
+    that wakes only to make one call still runs. ``client`` is this thread's own, from
+    :func:`own_client` (a TCPStore client is not shared across threads). A call that fails ends
+    the pulse: the launcher's main loop meets the same store and says what happened. Close it
+    before the process exits (see :func:`own_client`).
     """
 
-    def __init__(self, store: Any, name: str, every: float = HEARTBEAT):
-        self.store, self.name, self.every = store, name, every
+    def __init__(self, client: tuple[Any, Callable[[], None]], name: str, every: float = HEARTBEAT):
+        (self.store, self._cut), self.name, self.every = client, name, every
         self._stop = threading.Event()
         self.store.add(name, 1)
         self._thread = threading.Thread(target=self._run, name="towers-pulse", daemon=True)
@@ -174,8 +223,21 @@ class Pulse:
             except Exception:
                 return
 
-    def close(self) -> None:
+    def close(self, wait: float | None = 2.0) -> None:
+        """Stop beating: wait up to ``wait`` seconds for a call in flight (a call to a live
+        store takes milliseconds), then break the connection under one still waiting; with
+        ``wait=None``, return at once (close it again before exiting)."""
         self._stop.set()
+        if wait is not None:
+            _end(self._thread, wait, self._cut)
+
+
+def _end(thread: threading.Thread, wait: float, cut: Callable[[], None]) -> None:
+    """Wait up to ``wait`` s for ``thread`` to end, then ``cut`` its client and wait again."""
+    thread.join(wait)
+    if thread.is_alive():
+        cut()
+        thread.join(2.0)
 
 
 class Membership:
@@ -211,9 +273,8 @@ class Membership:
         self._stop = threading.Event()
         self.where = f"{addr}:{port}"
         # The store client is not shared across threads: the heartbeat has its own.
-        self._beat_store = WatchedStore(
-            open_store(addr, port, timeout, secret), timeout, self._cut_off
-        )
+        beat, self._cut = own_client(addr, port, timeout, secret)
+        self._beat_store = WatchedStore(beat, timeout, self._cut_off)
         self._beat_store.add(f"hb/{wid}", 1)
         self._thread = threading.Thread(target=self._beat, name="towers-heartbeat", daemon=True)
         self._thread.start()
@@ -354,7 +415,7 @@ class Membership:
     def close(self) -> None:
         """Stop the heartbeat, telling the supervisor that this worker left on purpose."""
         self._stop.set()
-        self._thread.join(1.0)
+        _end(self._thread, 1.0, self._cut)
         with contextlib.suppress(Exception):
             self.store.set(f"left/{self.id}", "1")
         self._beat_store.close()  # watched until here: a heartbeat stuck in a partition ends it

@@ -93,7 +93,7 @@ def run_script_nodes(
         if sup is not None:
             sup.stop()
         if nodes is not None:
-            nodes.pulse.close()
+            nodes.stop_beating()
     if outcome.refused and not sup.finishing and nodes.joiner:  # none of its workers trained
         print(
             f"towers run ({where}): refused: the running job did not let its workers in "

@@ -54,7 +54,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..comm.membership import Pulse, WatchedStore, clock, key, open_store
+from ..comm.membership import Pulse, WatchedStore, clock, key, open_store, own_client
 from ..comm.store import get_signed
 from ..core.args import nnodes_of, node_timeout_of
 from ..core.secret import JobSecret
@@ -125,12 +125,18 @@ class Nodes:
         if self.coordinator:
             self.generations.publish(list(range(self.workers)))
         self.pulse = self._pulse()
+        self._stale: list[Pulse] = []  # pulses replaced on a rejoin, closed again at the end
 
     def _pulse(self) -> Pulse:
         """This node's heartbeat, on a store client of its own (node 0 watches it; the main
         loop's calls are watched here)."""
-        beat = open_store(self.addr, self.port, self.timeout, self.signer)
+        beat = own_client(self.addr, self.port, self.timeout, self.signer)
         return Pulse(beat, f"node/{self.node}/beat", every=min(0.2, self.silence / 10))
+
+    def stop_beating(self) -> None:
+        """End this node's heartbeats before it exits (see :func:`own_client`)."""
+        for pulse in [*self._stale, self.pulse]:
+            pulse.close()
 
     def _connect(self, node: int | None) -> tuple[Any, bool]:
         """The job's store, and whether this node hosts it: node 0 does; without a node rank,
@@ -363,7 +369,10 @@ class Nodes:
         new = [self._new_id(local) for local in range(self.nproc)]
         # A heartbeat sent during the cut may wait for TCP's next resend, seconds after the link
         # is back (the interval doubles with each one lost): beat on a fresh connection.
-        self.pulse.close()
+        # Not waited for, nor broken off (c10d would log the broken call as a failure): its
+        # resend comes, or its end at exit does.
+        self.pulse.close(wait=None)
+        self._stale.append(self.pulse)
         self.pulse = self._pulse()
         self.store.add(f"node/{self.node}/back", 1)
         print(
