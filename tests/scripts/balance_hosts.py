@@ -20,8 +20,8 @@ LR = 0.05
 def build_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
-        torch.nn.Linear(256, 1),
+        torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024), torch.nn.Tanh(),
+        torch.nn.Linear(1024, 1),
     )  # fmt: skip
 
 
