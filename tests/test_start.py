@@ -48,12 +48,15 @@ def test_a_forked_worker_runs_openmp_after_the_caller_did():
 
 @pytest.mark.timeout(60)
 def test_a_forked_worker_drops_the_callers_signal_handlers():
-    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    # the caller's own SIGINT handler too: a runner started in the background (SIGINT ignored,
+    # which a worker keeps, as across an exec) would otherwise decide what the worker gets
+    previous = [signal.signal(s, lambda *_: None) for s in (signal.SIGUSR1, signal.SIGINT)]
     try:
         for got in towers.spawn(handlers, 2):
             assert got == [signal.SIG_DFL, signal.SIG_DFL, signal.default_int_handler]
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        for sig, handler in zip((signal.SIGUSR1, signal.SIGINT), previous):
+            signal.signal(sig, handler)
 
 
 def test_an_unknown_start_method_is_refused(monkeypatch):
