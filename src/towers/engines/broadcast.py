@@ -28,15 +28,15 @@ def _signature(module: nn.Module) -> list[Entry]:
 
 def _first_difference(
     ref: Sequence[Sequence[Any]], sig: Sequence[Sequence[Any]]
-) -> tuple[int, str] | None:
-    """``None`` if equal, else where they first differ and how: ``(#, "A vs B")`` for an
-    entry that differs, ``(#, "")`` where one ends (the entry is the longer one's)."""
+) -> tuple[int, bool] | None:
+    """``None`` if equal, else where they first differ: ``(#, True)`` where both have an entry
+    and the two differ, ``(#, False)`` where one ends (entry # is only the longer one's)."""
     for k, (theirs, mine) in enumerate(zip(ref, sig)):
         if _plain(theirs) != _plain(mine):
-            return k, "differs"
+            return k, True
     if len(ref) == len(sig):
         return None
-    return min(len(ref), len(sig)), ""
+    return min(len(ref), len(sig)), False
 
 
 def _plain(entry: Sequence[Any]) -> Entry:
@@ -60,8 +60,8 @@ def verify_same_model(module: nn.Module, comm: Comm) -> None:
         found = _first_difference(ref, sig)
         if found is None:
             continue
-        k, how = found
-        if how:
+        k, both = found
+        if both:
             raise ValueError(
                 f"the model on rank {rank} differs from rank 0's at {ref[k][0]} #{k}: rank 0 has "
                 f"{_said(ref[k])}, rank {rank} has {_said(sig[k])}; every rank must build the "
@@ -97,8 +97,8 @@ def join_difference(job: dict[str, Any], mine: dict[str, Any]) -> str | None:
     found = _first_difference(ref, sig)
     if found is None:
         return None
-    k, how = found
-    if how:
+    k, both = found
+    if both:
         return (
             f"its model differs from the job's at {ref[k][0]} #{k}: the job has {_said(ref[k])}, "
             f"this worker {_said(sig[k])}"
