@@ -88,6 +88,12 @@ def _child(parent: Path, knobs: dict[str, str], what: str) -> Iterator[Path]:
         _remove(child)
 
 
+def throttled_periods(cgroup: Path) -> int:
+    """How many periods a cpu cgroup's processes were held back for (v1 ``cpu.stat``)."""
+    stat = dict(line.split() for line in (cgroup / "cpu.stat").read_text().splitlines())
+    return int(stat["nr_throttled"])
+
+
 def join_cgroup(cgroup: Path | str) -> None:
     """Move this process, every thread of it, into ``cgroup``."""
     Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cgroups import cpu_cgroup, join_cgroup
+from cgroups import cpu_cgroup, join_cgroup, throttled_periods
 from helpers import assert_same_parameters, make_net, mse, reference_loop, regression_data
 from torch import nn
 
@@ -253,12 +253,6 @@ def test_evaluation_is_split_as_the_batches_are_and_equals_one_process():
     assert result.evals[-1][1]["loss"] == pytest.approx(expected, rel=1e-6)
 
 
-def _throttled(cgroup: Path) -> int:
-    """How many periods the cgroup's processes were held back for (v1 ``cpu.stat``)."""
-    stat = dict(line.split() for line in (cgroup / "cpu.stat").read_text().splitlines())
-    return int(stat["nr_throttled"])
-
-
 @pytest.mark.timeout(180)
 def test_two_hosts_of_different_speed_balance_and_equal_one_process(tmp_path):
     from netns import torchrun_nodes, two_hosts
@@ -275,7 +269,7 @@ def test_two_hosts_of_different_speed_balance_and_equal_one_process(tmp_path):
 
         script = str(scripts / "balance_hosts.py")
         torchrun_nodes(hosts, script, [str(out)], 29531, env, 150, started=cap_host_b)
-        throttled = _throttled(slow)
+        throttled = throttled_periods(slow)
     got = torch.load(out, weights_only=True)
     spec = importlib.util.spec_from_file_location("balance_hosts", scripts / "balance_hosts.py")
     module = importlib.util.module_from_spec(spec)
