@@ -202,10 +202,10 @@ def _run_nodes(args: argparse.Namespace, processes: int, timeout: float, secret:
     if secret is None:
         print(
             f"towers run ({'this node' if rank is None else f'node {rank}'}): no job secret "
-            "(TOWERS_SECRET or "
-            "--secret-file): the nodes cannot tell this job from another on the same port, and "
-            "whoever reaches the port can disturb it; messages are limited to tensors and plain "
-            "data. Give every node the same secret (docs/reliability.md, threat model)",
+            "(TOWERS_SECRET or --secret-file): the nodes cannot tell this job from another on "
+            "the same port, and whoever reaches the port can disturb it; messages are limited to "
+            "tensors and plain data. Give every node the same secret (docs/reliability.md, threat "
+            "model)",
             file=sys.stderr,
         )
     return run_script_nodes(
