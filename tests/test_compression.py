@@ -140,6 +140,9 @@ def test_an_elastic_compressed_job_survives_a_lost_worker(tmp_path):
     assert len(result.losses) == 24 and all(math.isfinite(v) for v in result.losses)
     assert result.losses[-1] < result.losses[0]
     assert len(result.recoveries) == 1
+    # a survivor waiting in int8's second phase on another survivor that left the group does
+    # not hold up the regroup until the timeout (30 s; tests/test_graves.py)
+    assert result.recoveries[0][1] < 10, (hit, result.recoveries)
 
 
 # -- refusals --------------------------------------------------------------------------------

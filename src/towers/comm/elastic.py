@@ -21,6 +21,7 @@ from ..core.args import check_timeout
 from ..core.launch import Launch
 from ..core.transport import Transport
 from .base import Comm, DistComm, LocalComm, PeerFailure
+from .graves import Graves
 from .group import DEFAULT_TIMEOUT, shm_or_group
 from .membership import Membership, key
 
@@ -52,6 +53,7 @@ class ElasticConnection:
         self.device = torch.device("cpu")
         self.generation = -1
         self.members: list[int] = []
+        self._graves = Graves(self.timeout)  # abandoned groups, until their work has ended
 
     def join(self, generation: int) -> None:
         """Leave the current group and form ``generation``'s (or a later one's, if it fails).
@@ -88,15 +90,17 @@ class ElasticConnection:
         return shm_or_group(base, self.transport, self.timeout, self.membership.interrupt)
 
     def _abandon(self) -> None:
-        # A broken group's pending work is dropped, not waited on: its lost peer was killed
-        # before the loss was announced, so Gloo's threads are not stuck on it.
+        # A broken group's pending work is dropped, not waited on (comm/graves.py): its work
+        # can wait on a survivor that has left it too.
         self.comm = LocalComm()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            self._graves.bury()
 
     def close(self) -> None:
         self._abandon()
         # Let go of the groups now, while the interpreter is whole: a Gloo group destroyed
-        # during interpreter shutdown can abort the process (std::terminate in a thread).
+        # during interpreter shutdown can abort the process (std::terminate in a thread). Every
+        # member is done, so what an abandoned group still waits for ends within its timeout.
+        self._graves.release()
         gc.collect()
         self.membership.close()
