@@ -1,4 +1,9 @@
-"""Shared test fixtures: every test must leave no process behind."""
+"""Shared test fixtures: every test must leave no process behind; how the suite is run.
+
+The suite runs in two processes (pytest-xdist, ``-n auto`` below, at most 2 on any machine):
+most tests wait on processes of their own, which leave a core idle. Tests marked ``slow``
+go first, so that no long test starts last while the other process has nothing left to do.
+"""
 
 from __future__ import annotations
 
@@ -52,6 +57,20 @@ def leftover_processes(grace: float = 5.0) -> set[int]:
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: two test processes where there are two cores (one where there is one).
+
+    Every test that starts a job starts 2-4 processes of its own; more test processes than
+    two would only make the machine busier than the timing tests allow (docs/testing.md).
+    """
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``slow`` tests first, each file's in their order (see the module doc)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(autouse=True)

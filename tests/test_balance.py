@@ -253,6 +253,7 @@ def test_evaluation_is_split_as_the_batches_are_and_equals_one_process():
     assert result.evals[-1][1]["loss"] == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_hosts_of_different_speed_balance_and_equal_one_process(tmp_path):
     from netns import torchrun_nodes, two_hosts

@@ -86,6 +86,7 @@ def test_startup_times_every_kind_of_start():
     assert "call 1" in text and "towers run" in text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_startup_times_a_first_job_beside_mp_spawn_and_ddp():
     first = first_jobs(workers=2, repeats=1)

@@ -142,6 +142,7 @@ def test_without_restarts_the_crash_is_reported(tmp_path):
         towers.train(make_net(), loss, DATA, batch_size=5, steps=5, workers=2, progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_own_loop_resumes_under_torchrun_max_restarts(tmp_path):
     import subprocess

@@ -151,6 +151,7 @@ def test_towers_run_prefixes_every_line_with_its_rank(tmp_path):
     assert alone.stdout == "hello from 0 of 1, args []\nno newline at the end"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_towers_run_shows_only_the_ranks_asked_for(tmp_path):
     done = towers_run(tmp_path, "-n", "3", "--show-ranks", "0")
@@ -168,6 +169,7 @@ def test_towers_run_shows_only_the_ranks_asked_for(tmp_path):
     assert wrong.returncode == 2 and "--show-ranks takes ranks in 0..1" in wrong.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_demo_explains_its_columns_rows_and_shorter_runs(tmp_path):
     cmd = [sys.executable, "-m", "towers", "demo", "-n", "2", "--steps", "60"]

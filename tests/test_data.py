@@ -72,6 +72,7 @@ def test_pack_puts_any_number_of_tensors_in_one_buffer():
     assert torch.equal(unpack(packed)[999][0], data[999][0])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_dataset_of_100000_one_tensor_samples_trains_like_a_plain_loop():
     # Each sample's tensors used to travel to the workers as one file descriptor each: a few

@@ -509,6 +509,7 @@ def test_the_own_loop_resumes_exactly_mid_period(tmp_path):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_own_loop_under_towers_run_elastic_drops_a_lost_workers_period(tmp_path):
     script = Path(__file__).parent / "scripts" / "diloco_loop.py"
@@ -534,6 +535,7 @@ def test_the_own_loop_under_towers_run_elastic_drops_a_lost_workers_period(tmp_p
         assert final["outer"][1][2] == [28, 28]  # 4 global batches of 7 samples each
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_train_in_diloco_across_two_hosts_under_torchrun(tmp_path):
     from netns import torchrun_nodes, two_hosts

@@ -329,6 +329,7 @@ def test_the_regroup_flag_is_agreed_through_the_sum():
     assert not quiet.regroup
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_demo_with_faults_shows_the_same_parameters(tmp_path):
     png = tmp_path / "faults.png"
@@ -355,6 +356,7 @@ def _script_module():
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("fault", "restarts", "batchnorm"), [(signal.SIGKILL, 1, False), (signal.SIGKILL, 0, True)]

@@ -61,6 +61,7 @@ def _kill_on_node_1(progress: Path, after: int, deadline: float) -> tuple[int, f
                 return int(victim.split("-")[0]), time.time()
         time.sleep(0.01)
     raise AssertionError("the job made no progress")
+@pytest.mark.slow
 
 
 @pytest.mark.timeout(90)
@@ -115,6 +116,7 @@ def _family(pid: int) -> list[int]:
     family = [pid]
     for p in family:
         family += children.get(p, [])
+@pytest.mark.slow
     return family
 
 
@@ -195,6 +197,7 @@ def test_a_lost_launcher_loses_its_node_and_the_other_trains_on(tmp_path):
     """SIGKILL node 1's towers run: its worker dies with it, node 0's trains on alone."""
     (tmp_path / "progress").mkdir()
     (tmp_path / "out").mkdir()
+@pytest.mark.slow
     port = random.randrange(20000, 30000)
     with two_hosts() as (a, b):
         extra = ("--timeout", "20")  # node 0 drops a silent node after 20 / 4 = 5 s
@@ -290,6 +293,7 @@ def _grower(
 
 @pytest.mark.timeout(120)
 def test_a_host_that_joins_mid_run_grows_the_job_and_others_are_refused(tmp_path):
+@pytest.mark.slow
     """``--nnodes 2:4``: hosts 0 and 1 start (one worker each, no node ranks given: the host
     with the address hosts the store, the other takes rank 1) and hold after 4 steps; node 3, whose
     script builds a wider model, is refused before the job waits for it; host 2's towers run is

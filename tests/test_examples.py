@@ -61,12 +61,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_parabola_four_towers_match_one(tmp_path: Path) -> None:
     out = run_example("parabola.py", cwd=tmp_path)
     assert "OK: 4 workers match 1 worker" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_quadratic_finds_5x2_plus_3(tmp_path: Path) -> None:
     out = run_example("quadratic.py", cwd=tmp_path)
@@ -75,6 +77,7 @@ def test_quadratic_finds_5x2_plus_3(tmp_path: Path) -> None:
     assert "OK:" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_digits_cnn_reaches_95_percent(tmp_path: Path) -> None:
     out = run_example("digits_cnn.py", cwd=tmp_path)
@@ -87,6 +90,7 @@ def test_own_loop_single_process(tmp_path: Path) -> None:
     assert "OK: 1 tower(s) match the plain loop" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_own_loop_under_towers_run(tmp_path: Path) -> None:
     args = ["-m", "towers", "run", str(EXAMPLES / "own_loop.py"), "-n", "2", "--"]
@@ -182,6 +186,7 @@ def test_ddp_tutorial_port_under_towers_run_equals_one_process(tmp_path: Path) -
     assert "(clipped 0 steps)" not in result.stdout  # the clipping did bite
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_mnist_style_port_and_the_plain_script_test_every_epoch(tmp_path: Path) -> None:
     flags = ("--epochs", "2", "--min-accuracy", "0.7")
@@ -193,6 +198,7 @@ def test_mnist_style_port_and_the_plain_script_test_every_epoch(tmp_path: Path) 
         assert "of 360" in epochs[-1] and "ok: test accuracy" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_char_gpt_under_towers_run_equals_one_process(tmp_path: Path) -> None:
     args = ["-m", "towers", "run", str(EXAMPLES / "char_gpt.py"), "-n", "2"]
@@ -205,6 +211,7 @@ def test_char_gpt_under_towers_run_equals_one_process(tmp_path: Path) -> None:
     assert losses[:3] == losses[3:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_char_gpt_on_four_ranks_under_torchrun_and_its_check_can_fail(tmp_path: Path) -> None:
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "4"]

@@ -194,6 +194,7 @@ def torchrun(host, master, rank: int, out: Path) -> subprocess.Popen[str]:
     return host.popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_hosts_of_two_workers_sum_in_two_levels(tmp_path):
     out = tmp_path / "result.pt"

@@ -58,6 +58,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["auto", "forkserver"])
 def test_workers_server_and_forkserver_die_with_a_killed_caller(tmp_path, monkeypatch, method):

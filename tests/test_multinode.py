@@ -31,6 +31,7 @@ def torchrun(host, master, rank: int, out: Path) -> subprocess.Popen[str]:
     return host.popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_hosts_train_like_one(tmp_path):
     out = tmp_path / "result.pt"

@@ -161,6 +161,7 @@ def kill_myself():
     return 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_worker_killed_by_the_oom_killer_is_named_so():
     """A real OOM kill: train() runs in a memory cgroup of 1.5 GiB, and worker 1 allocates 4."""

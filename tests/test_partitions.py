@@ -88,6 +88,7 @@ def _check_trained(final: dict, steps: int, worlds: set[int]) -> None:
     for name, value in model.state_dict().items():
         torch.testing.assert_close(final["model"][name], value, rtol=1e-5, atol=1e-6)
     assert_close_lists(final["losses"], losses)
+@pytest.mark.slow
     assert set(final["world"]) == worlds, final["world"]
 
 
@@ -106,6 +107,7 @@ def test_a_host_cut_off_for_good_stops_within_the_timeout(tmp_path):
     assert "failed" not in logs[0] + logs[1], why
     assert set(finals) == {0}, why
     _check_trained(finals[0], 90, {2, 1})
+@pytest.mark.slow
     print(f"host 1 stopped {ended[1]:.1f} s after the cut (timeout 8 s)")
 
 
@@ -124,6 +126,7 @@ def test_a_blip_shorter_than_a_node_s_silence_goes_unnoticed(tmp_path):
         assert torch.equal(value, finals[1]["model"][name]), name
     gap = max(b - a for a, b in zip(finals[0]["times"], finals[0]["times"][1:]))
     assert gap >= 5.0, gap  # the blip did stall the job
+@pytest.mark.slow
     print(f"longest step through the blip: {gap:.1f} s")
 
 

@@ -230,6 +230,7 @@ def _one_process_of_the_script() -> list[torch.Tensor]:
     return list(model.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("launcher", ["towers run", "torchrun"])
 def test_a_ddp_script_with_its_setup_changed_equals_one_process(tmp_path, launcher):

@@ -143,6 +143,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_towers_run_starts_ranks_and_stops_them_when_one_fails(tmp_path):
     script = tmp_path / "script.py"
@@ -185,6 +186,7 @@ TRAIN_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_towers_run_mode_sets_the_mode_of_train(tmp_path):
     script = tmp_path / "train_script.py"

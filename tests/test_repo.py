@@ -43,6 +43,7 @@ def test_mypy():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_readme_train_example_runs(tmp_path):
     import os

@@ -52,6 +52,7 @@ def run_on_terminal(code: str, cwd: Path) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", ["sync", "async"])  # async: the server (rank 0) shows it
 def test_progress_bar_on_a_terminal_only(tmp_path, mode):
@@ -131,6 +132,7 @@ def test_tensorboard_scalars_of_the_asynchronous_modes(tmp_path, mode):
     assert len(events.Scalars("samples_per_second")) == 12
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_demo_prints_a_table_and_writes_the_plot(tmp_path):
     png = tmp_path / "curves.png"

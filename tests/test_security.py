@@ -214,6 +214,7 @@ def _train_reference(steps: int):
         batch_size=12,
         steps=steps,
         optimizer=job.OPTIMIZER,
+@pytest.mark.slow
         shuffle=False,
         loss_fn=job.mse,
     )
@@ -299,6 +300,7 @@ def _run_loop(args: list[str], tmp: Path, name: str, steps: int, **popen) -> sub
     if run is not None:
         return run.popen([*cmd, *script], env=env, stderr=subprocess.PIPE)
     return subprocess.Popen([*cmd, *script], env=env, stderr=subprocess.PIPE, text=True)
+@pytest.mark.slow
 
 
 def _steps_done(progress: Path) -> int:
@@ -345,6 +347,7 @@ def _listeners(host) -> list[tuple[str, int]]:
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         text = subprocess.run(host.command(["cat", table]), capture_output=True, text=True).stdout
+@pytest.mark.slow
         for line in text.splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A":
@@ -379,6 +382,7 @@ def test_towers_run_listens_on_the_address_given_only(tmp_path, elastic):
     assert wildcard == [], listening
     _check_finals(tmp_path / "job", {0, 1}, steps, err[-3000:])
 
+@pytest.mark.slow
 
 def _node(host, master, rank: int, port: int, tmp: Path, secret_args: list[str], env=None):
     (tmp / f"node{rank}").mkdir(exist_ok=True)
