@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import torch
+from exact import Reference
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -128,21 +129,25 @@ def assert_close_lists(got, expected, rtol: float = 1e-5, atol: float = 1e-7):
             assert math.isclose(g, e, rel_tol=rtol, abs_tol=atol), f"step {i}: {g} != {e}"
 
 
-def elastic_loop_reference(steps: int) -> tuple[nn.Module, list[float]]:
-    """tests/scripts/elastic_loop.py's training in one plain process: the model and its losses."""
+def elastic_loop_reference(steps: int) -> Reference:
+    """tests/scripts/elastic_loop.py's training in one plain process, in float32 and float64."""
     spec = importlib.util.spec_from_file_location("elastic_loop", SCRIPTS / "elastic_loop.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    model = script.build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for x, y in script.batches(steps):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model, losses
+
+    def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
+        model = script.build().to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for x, y in script.batches(steps):
+            loss = torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
+            losses.append(loss.item())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return model, losses
+
+    return Reference.run(loop)
 
 
 def processes_mentioning(tmp: Path) -> list[int]:

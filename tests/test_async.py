@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import descendants
+from exact import Reference
 
 import towers
 from towers.core.data import BatchCache, batch_len, global_batches
@@ -46,6 +47,7 @@ from towers.engines.ps.wire import Header, Kind, Layout, read_header
 from towers.tools.zoo import Parabola, parabola_data, parabola_loss
 
 STEPS = 300  # seed 003's parabola: 300 global batches of 50
+RESUMED_STEPS = 150  # a server killed at its checkpoint of batch 100 resumes for 50 more
 
 
 def _train(mode: str, workers: int, **kwargs):
@@ -75,10 +77,10 @@ _calls = {"n": 0}
 
 
 def dying_loss(model, shard):
-    """Tower 1 kills itself (SIGKILL, no clean-up) on its 40th shard."""
+    """Tower 1 kills itself (SIGKILL, no clean-up) on its 25th shard."""
     if os.environ.get("RANK") == "2":
         _calls["n"] += 1
-        if _calls["n"] == 40:
+        if _calls["n"] == 25:
             os.kill(os.getpid(), signal.SIGKILL)
     return parabola_loss(model, shard)
 
@@ -308,12 +310,29 @@ def sync_reference():
     return _train("sync", 1)
 
 
+@pytest.fixture(scope="module")
+def short_sync_reference():
+    """The same, over RESUMED_STEPS."""
+    return _train("sync", 1, steps=RESUMED_STEPS)
+
+
+def fits_about_as_well(model: torch.nn.Module, sync: torch.nn.Module, what: str) -> None:
+    """The parabola's full loss at most 20% above sync's after as many global batches. Not a
+    bound on rounding: stale and averaged updates take another path than sync's on purpose,
+    and 20% is this suite's stated margin for "about as well" (measured on this parabola:
+    local:4 and backup:1 end within 1% of sync, async and ssp far below it, as they make one
+    update per shard)."""
+    got, expected = _full_loss(model), _full_loss(sync)
+    assert got <= 1.2 * expected, (
+        f"{what}: full loss {got:.4g} is above 1.2 x sync's {expected:.4g} after as many steps"
+    )
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["async", "ssp:2", "local:4", "backup:1"])
 def test_each_mode_fits_the_parabola_about_as_well_as_sync(mode, sync_reference):
     r = _train(mode, 4)
-    sync_loss = _full_loss(sync_reference.model)
-    assert _full_loss(r.model) <= 1.2 * sync_loss
+    fits_about_as_well(r.model, sync_reference.model, f"{mode}, 4 workers, {STEPS} steps")
     assert r.steps == STEPS and len(r.losses) == STEPS and len(r.tower_losses) == STEPS
     assert all(math.isfinite(x) for x in r.losses)
     assert not r.skipped and not r.dead_workers
@@ -324,29 +343,54 @@ def test_each_mode_fits_the_parabola_about_as_well_as_sync(mode, sync_reference)
         assert len(r.staleness) == 4 * STEPS and r.samples == 50 * STEPS
 
 
+ONE_WORKER = dict(
+    steps=120,
+    lr_schedule=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=40, gamma=0.5),
+    optimizer=functools.partial(torch.optim.SGD, lr=0.02, momentum=0.9),
+    accumulate=2,
+)
+
+
+@pytest.fixture(scope="module")
+def one_worker_sync():
+    """The sync engine with one worker, and the plain loop in float32 and float64."""
+    torch.manual_seed(0)
+    plain = Reference.of(
+        Parabola(),
+        parabola_data(),
+        batch_size=50,
+        steps=ONE_WORKER["steps"],
+        optimizer=ONE_WORKER["optimizer"],
+        lr_schedule=ONE_WORKER["lr_schedule"],
+        loss_fn=parabola_loss,
+    )
+    return _train("sync", 1, **ONE_WORKER), plain
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["async", "ssp:0", "local:3"])
-def test_one_worker_trains_exactly_like_sync(mode, sync_reference):
+def test_one_worker_trains_exactly_like_sync(mode, one_worker_sync):
     """With one tower nothing is stale: the same updates as the sync engine, bit for bit."""
-    sched = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=40, gamma=0.5)
-    opt = functools.partial(torch.optim.SGD, lr=0.02, momentum=0.9)
-    ref = _train("sync", 1, steps=120, lr_schedule=sched, optimizer=opt, accumulate=2)
-    r = _train(mode, 1, steps=120, lr_schedule=sched, optimizer=opt, accumulate=2)
+    ref, plain = one_worker_sync
+    r = _train(mode, 1, **ONE_WORKER)
     for name, value in ref.model.state_dict().items():
         assert torch.equal(r.model.state_dict()[name], value), name
-    # the sync engine carries losses in the float32 gradient bucket; the server in float64
-    assert r.losses == pytest.approx(ref.losses, rel=1e-6)
+    plain.check(r.model, mode)
+    # the sync engine carries losses in the float32 gradient bucket, the server in float64:
+    # each as close to a float64 loop's as tests/exact.py allows
+    plain.check_losses(ref.losses, "sync")
+    plain.check_losses(r.losses, mode)
     assert r.staleness == ([0] * 120 if mode != "local:3" else [0, 1, 2] * 40)
 
 
 @pytest.mark.timeout(60)
 def test_ssp_never_exceeds_its_bound_even_with_a_straggler():
     bound = 2
-    r = _train("ssp:2", 4, straggle={1: 4.0}, steps=100)
-    assert len(r.ahead) == 4 * 100  # one record per pull
+    r = _train("ssp:2", 4, straggle={1: 4.0}, steps=50)
+    assert len(r.ahead) == 4 * 50  # one record per pull
     assert max(r.ahead) == bound  # the straggler makes the bound bite, and it holds
-    assert len(r.staleness) == 4 * 100
-    free = _train("async", 4, straggle={1: 4.0}, steps=100)
+    assert len(r.staleness) == 4 * 50
+    free = _train("async", 4, straggle={1: 4.0}, steps=50)
     assert max(free.ahead) > bound  # without the bound, fast workers run further ahead
 
 
@@ -362,46 +406,49 @@ def test_a_killed_worker_does_not_stop_training(mode):
         dying_loss,
         parabola_data(),
         batch_size=50,
-        steps=120,
+        steps=80,
         workers=4,
         mode=mode,
         progress=False,
         timeout=60,
     )
     assert r.dead_workers == [1]
-    assert r.steps == 120 and all(math.isfinite(x) for x in r.losses)
+    assert r.steps == 80 and all(math.isfinite(x) for x in r.losses)
     assert all(math.isfinite(t) for t in r.times)  # every step completed
     assert all(math.isnan(losses[1]) for losses in r.tower_losses[-20:])  # it did no more
     if mode != "backup:1":  # every shard applied, the dead worker's by the others
-        assert len(r.staleness) == 4 * 120 and r.samples == 50 * 120
+        assert len(r.staleness) == 4 * 80 and r.samples == 50 * 80
     else:
-        assert len(r.staleness) == 120
+        assert len(r.staleness) == 80
     assert all(torch.isfinite(p).all() for p in r.model.parameters())
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["async", "ssp:1", "local:4", "backup:1"])
-def test_a_killed_server_is_resumed_from_its_checkpoint(mode, sync_reference, tmp_path):
+def test_a_killed_server_is_resumed_from_its_checkpoint(mode, short_sync_reference, tmp_path):
     # The test kills the server (SIGKILL) once, as soon as its checkpoint of batch 100 exists
     # (local:4: the first average after it), as a lost server machine would end it.
     marker = tmp_path / "killed"
     killer = kill_once_checkpointed(tmp_path / "ckpt", 100, "towers-server", marker)
+    n = RESUMED_STEPS
     with pytest.warns(RuntimeWarning, match=r"WorkerError: worker 0 .*SIGKILL.*restart 1 of 1"):
-        r = _train(mode, 4, checkpoint=tmp_path / "ckpt", checkpoint_every=50, max_restarts=1)
+        r = _train(
+            mode, 4, steps=n, checkpoint=tmp_path / "ckpt", checkpoint_every=50, max_restarts=1
+        )
     killer.join()
     assert marker.exists() and r.restarts == 1
     # every global batch trained, and recorded, once
-    assert r.steps == STEPS and len(r.losses) == STEPS and len(r.times) == STEPS
+    assert r.steps == n and len(r.losses) == n and len(r.times) == n
     assert all(math.isfinite(x) for x in r.losses) and all(math.isfinite(t) for t in r.times)
     assert not r.skipped and not r.dead_workers
     if mode == "backup:1":
-        assert r.staleness == [0] * STEPS
+        assert r.staleness == [0] * n
     else:
-        assert len(r.staleness) == 4 * STEPS and r.samples == 50 * STEPS
+        assert len(r.staleness) == 4 * n and r.samples == 50 * n
     # the restarted server went on from the checkpoint's parameters, not from the start
     assert sum(r.losses[100:105]) / 5 < 0.75 * r.losses[0]
     assert all(torch.isfinite(p).all() for p in r.model.parameters())
-    assert _full_loss(r.model) <= 1.2 * _full_loss(sync_reference.model)
+    fits_about_as_well(r.model, short_sync_reference.model, f"{mode}, resumed, {n} steps")
 
 
 @pytest.mark.timeout(90)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import signal
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close_lists, assert_same_parameters, make_net, mse, regression_data
+from exact import Reference, as_float64
+from helpers import make_net, mse, regression_data
 
 import towers
 from towers.engines import checkpoint as _checkpoint
@@ -35,42 +37,59 @@ def run(steps, workers=2, **kwargs):
     )
 
 
-def assert_same_run(a, b, same_towers=True):
-    assert_close_lists(a.losses, b.losses, rtol=1e-6)
-    if same_towers:  # where both runs cut the batch alike (a balanced split follows timing)
-        steps = zip(a.tower_losses, b.tower_losses, a.shards, b.shards, strict=True)
-        for got, expected, cut_a, cut_b in steps:
-            if cut_a == cut_b:
-                assert_close_lists(got, expected, rtol=1e-6)
-    assert a.skipped == b.skipped and a.steps == b.steps and a.samples == b.samples
-    assert_same_parameters(a.model, b.model, rtol=1e-6, atol=1e-7)
+def assert_like_one_process(result, steps, what="towers"):
+    """``result`` (a run of :func:`run`, resumed or not) is the plain loop's over the same
+    global batches, within the bound :class:`exact.Reference` derives from float64: losses,
+    each tower's loss on the split the run chose, parameters."""
+    reference = Reference.of(
+        make_net(), DATA, batch_size=5, steps=steps, optimizer=ADAM, lr_schedule=DECAY,
+        seed=11, towers=len(result.shards[0]), shards=result.shards,  # the split it chose
+    )  # fmt: skip
+    assert result.skipped == [] == reference.skipped and result.steps == steps
+    batches = ([5, 5, 5, 5, 3] * 3)[:steps]  # 23 samples: 5 batches an epoch, the last of 3
+    assert [sum(s) for s in result.shards] == batches and result.samples == sum(batches)
+    reference.check_losses(result.losses, what)
+    reference.check_tower_losses(result.tower_losses, what)
+    reference.check(result.model, what)
+
+
+def assert_identical(a, b):
+    """Two runs that did the same arithmetic in the same order: equal bit for bit."""
+    assert a.losses == b.losses and a.shards == b.shards and a.skipped == b.skipped
+    assert (a.steps, a.samples) == (b.steps, b.samples)
+    for u, v in zip(a.tower_losses, b.tower_losses, strict=True):  # nan: a tower without samples
+        assert len(u) == len(v) and all(
+            x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(u, v)
+        ), (u, v)
+    for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.equal(p, q), name
 
 
 @pytest.mark.timeout(90)
 def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path):
-    whole = run(12)
+    # the uninterrupted run: the plain loop (towers' own equals it, tests/test_train_sync.py)
     # 7 steps (mid-epoch), then resume to 12 with another number of workers
     first = run(7, checkpoint=tmp_path, checkpoint_every=3)
     assert [s for s, _ in _checkpoint.checkpoint_files(tmp_path)] == [7, 6]
     resumed = run(12, workers=3, checkpoint=tmp_path, checkpoint_every=3)
     assert resumed.steps == 12 and len(resumed.losses) == 12
-    assert_close_lists(first.losses, whole.losses[:7], rtol=1e-6)
-    assert_same_run(resumed, whole, same_towers=False)
+    assert_like_one_process(first, 7, "the first 7 steps")
+    assert_like_one_process(resumed, 12, "resumed at step 7 with 3 workers")
+    assert resumed.losses[:7] == first.losses  # the record of the steps before the resume
     assert [len(t) for t in resumed.tower_losses] == [2] * 7 + [3] * 5
     # a finished run asked again returns its result without training
     again = run(12, checkpoint=tmp_path)
-    assert_same_run(again, resumed)
+    assert_identical(again, resumed)
 
 
 @pytest.mark.timeout(90)
 def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path):
-    whole = run(10)
     run(6, checkpoint=tmp_path, checkpoint_every=2)
     newest = tmp_path / "step-00000006.pt"
     newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a crash mid-copy
     with pytest.warns(RuntimeWarning, match="step-00000006.pt cannot be read"):
         resumed = run(10, checkpoint=tmp_path, checkpoint_every=2)
-    assert_same_run(resumed, whole)
+    assert_like_one_process(resumed, 10, "resumed from step 4")
 
 
 def test_checkpoints_hold_no_arbitrary_objects(tmp_path):
@@ -112,7 +131,6 @@ def mse_dying_once(model, shard, marker: str, at_call: int):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("with_dir", [True, False])
 def test_max_restarts_resumes_after_a_crash(tmp_path, with_dir):
-    whole = run(10)
     loss = functools.partial(mse_dying_once, marker=str(tmp_path / "marker"), at_call=7)
     checkpoint = tmp_path / "ckpt" if with_dir else None
     with pytest.warns(RuntimeWarning, match=r"WorkerError.*restart 1 of 2"):
@@ -132,7 +150,7 @@ def test_max_restarts_resumes_after_a_crash(tmp_path, with_dir):
             max_restarts=2,
         )
     assert (tmp_path / "marker").exists() and result.restarts == 1
-    assert_same_run(result, whole)
+    assert_like_one_process(result, 10, "restarted after a crash")
 
 
 @pytest.mark.timeout(60)
@@ -167,15 +185,21 @@ def test_own_loop_resumes_under_torchrun_max_restarts(tmp_path):
         import restarting_loop as script
     finally:
         sys.path.remove(str(scripts))
-    reference = script.build_model()
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for batch in script.global_batches():
-        opt.zero_grad()
-        script.loss_fn(reference, batch).backward()
-        opt.step()
+
+    def plain_loop(dtype: torch.dtype) -> tuple[torch.nn.Module, list[float]]:
+        model = script.build_model().to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for batch in script.global_batches():
+            opt.zero_grad()
+            loss = script.loss_fn(model, batch if dtype == torch.float32 else as_float64(batch))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return model, losses
+
     final = torch.load(tmp_path / "final.pt", weights_only=True)
-    for name, p in reference.state_dict().items():
-        torch.testing.assert_close(final[name], p, rtol=1e-5, atol=1e-6)
+    Reference.run(plain_loop).check(final, "restarted under torchrun")
 
 
 def test_a_directory_of_the_other_kind_is_refused(tmp_path):
@@ -193,7 +217,7 @@ def test_a_directory_of_the_other_kind_is_refused(tmp_path):
 
 def test_checkpoints_of_the_first_format_are_read(tmp_path):
     """Files written before the header named its kind (format 1) still resume."""
-    whole = run(6, workers=1)
+    whole = run(6, workers=1)  # in this process: the resumed run repeats its arithmetic
     run(4, workers=1, checkpoint=tmp_path)
     state = torch.load(tmp_path / "step-00000004.pt", weights_only=True)
     old = {k: v for k, v in state.items() if k not in ("kind", "version", "scheduled", "sha256")}
@@ -202,7 +226,7 @@ def test_checkpoints_of_the_first_format_are_read(tmp_path):
     for path in tmp_path.iterdir():
         path.unlink()
     torch.save(old, tmp_path / "step-00000004.pt")
-    assert_same_run(run(6, workers=1, checkpoint=tmp_path), whole)
+    assert_identical(run(6, workers=1, checkpoint=tmp_path), whole)
 
 
 def test_a_corrupt_or_empty_newest_file_falls_back_naming_both(tmp_path):
@@ -259,6 +283,6 @@ def test_own_loop_checkpoints_of_the_previous_layout_resume(tmp_path):
     old.mkdir()
     torch.save(state, old / path.name)
     from_old = _diloco_loop(old, range(6, 8), None)
-    for name, value in whole.items():
-        torch.testing.assert_close(resumed[name], value, msg=name)
-        torch.testing.assert_close(from_old[name], value, msg=name)
+    for name, value in whole.items():  # one process each: the same arithmetic, bit for bit
+        assert torch.equal(resumed[name], value), name
+        assert torch.equal(from_old[name], value), name

@@ -83,6 +83,7 @@ def test_codecs_round_trip_within_their_precision(name):
 def test_fp16_never_overflows_and_bad_values_stay_bad():
     huge = torch.tensor([1e9, -3e8, 1.0])
     back = CODECS["fp16"].decode(CODECS["fp16"].encode(huge), 3)
+    # 11 significant bits: a relative rounding of at most 2**-11 (4.9e-4); 1e-3 is twice that
     assert torch.isfinite(back).all() and back[0] == pytest.approx(1e9, rel=1e-3)
     assert float(CODECS["fp16"].encode(huge)[:6].view(torch.float16).abs().max()) == FP16_TARGET
     for name, codec in CODECS.items():
@@ -104,12 +105,23 @@ def test_powersgd_compresses_only_what_gains():
 def test_each_compression_trains_close_to_the_uncompressed_run():
     plain = _train(None)
     final = plain.evals[-1][1]["loss"]
+    # Lossy by design, not rounding: each compression's held-out loss after 60 steps may be
+    # this share of the uncompressed run's away from it, plus 0.01 (one evaluation moves by a
+    # few percent from one step to the next). docs/compression.md measured bf16, fp16 and int8
+    # within 0.3% after 300 steps, powersgd:4 within 3%, and two exact runs that only draw
+    # their batches in another order 7-9% apart; here (2026-11-27, 60 steps) bf16 was 0.4% off,
+    # fp16 0.9%, int8 0.6%, powersgd:4 4.8%. A compression that lost the gradient would not
+    # halve the loss (below).
     for name, within in (("bf16", 0.01), ("fp16", 0.01), ("int8", 0.03), ("powersgd:4", 0.25)):
         got = _train(name)
-        assert got.losses[-1] < 0.5 * got.losses[0], name  # it learns
-        assert abs(got.evals[-1][1]["loss"] - final) <= within * final + 0.01, (name, final, got)
-    # bf16 on the wire is not exact: the losses are not bit-equal to the plain run
-    assert _train("bf16").losses != plain.losses
+        assert got.losses[-1] < 0.5 * got.losses[0], (name, got.losses)  # it learns
+        held_out = got.evals[-1][1]["loss"]
+        assert abs(held_out - final) <= within * final + 0.01, (
+            f"{name}: held-out loss {held_out:.4g} after {STEPS} steps, the uncompressed run's "
+            f"{final:.4g}: more than {within:.0%} of it + 0.01 apart"
+        )
+        if name == "bf16":  # bf16 on the wire is not exact: not bit-equal to the plain run
+            assert got.losses != plain.losses
 
 
 @pytest.mark.timeout(120)
@@ -119,14 +131,16 @@ def test_a_resumed_compressed_run_equals_an_uninterrupted_one(tmp_path, name):
     whole = _train(name, steps=30)
     _train(name, steps=20, checkpoint=tmp_path, checkpoint_every=20)
     resumed = _train(name, steps=30, checkpoint=tmp_path)
-    for p, q in zip(resumed.model.parameters(), whole.model.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
-    assert resumed.losses == pytest.approx(whole.losses, rel=1e-6)
+    # the same arithmetic in the same order, residuals included: the same bits
+    for (key, p), q in zip(resumed.model.named_parameters(), whole.model.parameters()):
+        assert torch.equal(p, q), key
+    assert resumed.losses == whole.losses
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_an_elastic_compressed_job_survives_a_lost_worker(tmp_path):
-    result, _, _, hit = _run_with_faults(
+    result, *_, hit = _run_with_faults(
         tmp_path,
         workers=3,
         transport="gloo",

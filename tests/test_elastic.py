@@ -1,6 +1,6 @@
 """Elastic sync: a worker killed (SIGKILL) or hung (SIGSTOP) mid-run is dropped, the survivors
 redo the interrupted global batch, a replacement may join, and the trained parameters still equal
-a plain single-process loop (docs/elastic.md).
+a plain single-process loop's, to float32's rounding (tests/exact.py; docs/elastic.md).
 
 The faults come from the test: the loss function leaves one file per worker process (named by
 its id and pid) and grows it by a byte per call; a thread here waits until the run has made a
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close_lists, assert_same_parameters, make_net, reference_loop
+from exact import FACTOR, Reference, bound
+from helpers import make_net
 
 import towers
 from towers.core.data import BatchOrder
@@ -108,23 +109,20 @@ def _run_with_faults(
     finally:
         saboteur.stop.set()
         saboteur.join()
-    reference, losses = _reference(steps, batch, build)
-    return result, reference, losses, saboteur.hit
+    return result, _reference(steps, batch, build), saboteur.hit
 
 
-def _reference(steps: int, batch: int = 16, build=make_net) -> tuple[torch.nn.Module, list]:
-    """A plain loop over the same batches with train's default optimizer: model and losses."""
-    x, y = _data()
-    reference = build()
-    losses, _, _ = reference_loop(
-        reference,
-        (x, y),
+def _reference(steps: int, batch: int = 16, build=make_net) -> Reference:
+    """A plain loop over the same batches with train's default optimizer, in float32 and
+    float64 (tests/exact.py)."""
+    return Reference.of(
+        build(),
+        _data(),
         batch_size=batch,
         steps=steps,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
         loss_fn=lambda m, s: (m(s[0]) - s[1]).square().mean(),
     )
-    return reference, losses
 
 
 def _grown(tmp_path, steps: int, **train_kw):
@@ -157,17 +155,18 @@ CASES = [
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(("workers", "transport", "faults", "restarts"), CASES)
+@pytest.mark.slow
 def test_lost_workers_leave_the_parameters_unchanged(
     tmp_path, workers, transport, faults, restarts
 ):
     seed = random.randrange(1 << 30)
-    result, reference, losses, hit = _run_with_faults(
+    result, reference, hit = _run_with_faults(
         tmp_path, workers=workers, transport=transport, faults=faults, restarts=restarts, seed=seed
     )
     why = f"seed {seed}, faults {hit}, world {result.world}"
     assert len(hit) == len(faults), why
-    assert_same_parameters(result.model, reference)
-    assert_close_lists(result.losses, losses)
+    reference.check(result.model, why)
+    reference.check_losses(result.losses, why)
     assert sorted(result.dead_workers) == sorted(w for w, _ in hit), why
     assert result.restarts == min(restarts, len(faults)), why
     assert len(result.world) == result.steps == 24
@@ -200,10 +199,11 @@ def bn_net() -> torch.nn.Module:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_sync_batchnorm_and_loader_processes_survive_a_lost_worker(tmp_path):
     """BatchNorm over the global batch and planned loader processes follow the regroup."""
     seed = random.randrange(1 << 30)
-    result, reference, losses, hit = _run_with_faults(
+    result, reference, hit = _run_with_faults(
         tmp_path,
         workers=3,
         transport="shm",
@@ -218,11 +218,8 @@ def test_sync_batchnorm_and_loader_processes_survive_a_lost_worker(tmp_path):
     why = f"seed {seed}, faults {hit}, world {result.world}"
     assert len(hit) == 1 and result.dead_workers == [hit[0][0]], why
     assert min(result.world) == 2, why
-    for (name, value), expected in zip(
-        result.model.state_dict().items(), reference.state_dict().values(), strict=True
-    ):  # parameters and the running statistics alike
-        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=name)
-    assert_close_lists(result.losses, losses)
+    reference.check(result.model, why)  # parameters and the running statistics alike
+    reference.check_losses(result.losses, why)
 
 
 def test_elastic_is_refused_outside_sync_mode(monkeypatch):
@@ -244,16 +241,17 @@ def test_elastic_is_refused_outside_sync_mode(monkeypatch):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_workers_join_a_job_that_started_with_fewer(tmp_path):
     result, progress = _grown(tmp_path, 30, min_workers=1)
-    reference, losses = _reference(30)
+    reference = _reference(30)
     # worker 0 starts alone; workers 1 and 2 are let in at step boundaries as they are built
     assert result.world[0] == 1 and result.world[-1] == 3, result.world
     assert result.world == sorted(result.world), result.world
     assert result.dead_workers == [] and result.restarts == 0
     assert {f.name.split("-")[0] for f in progress.iterdir()} >= {"0", "1", "2"}
-    assert_same_parameters(result.model, reference)
-    assert_close_lists(result.losses, losses)
+    reference.check(result.model, f"world {result.world}")
+    reference.check_losses(result.losses, f"world {result.world}")
 
 
 def sgd_but_not_on_worker_2(params):
@@ -263,14 +261,15 @@ def sgd_but_not_on_worker_2(params):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_a_newcomer_that_fails_before_it_is_let_in_leaves_the_job_untouched(tmp_path, capfd):
     result, _ = _grown(tmp_path, 20, min_workers=2, optimizer=sgd_but_not_on_worker_2)
-    reference, _ = _reference(20)
+    reference = _reference(20)
     said = capfd.readouterr().err
     assert "towers: worker 2, a newcomer, failed before the job let it in (" in said, said
     assert "worker 2 cannot build its optimizer" in said and "the job goes on without it" in said
     assert result.world == [2] * 20
-    assert_same_parameters(result.model, reference)
+    reference.check(result.model)
 
 
 def test_a_joiner_is_told_how_it_differs_from_the_job():
@@ -345,36 +344,79 @@ def test_demo_with_faults_shows_the_same_parameters(tmp_path):
     assert rows["SIGKILL, not replaced"][2].startswith("2x") and "1x" in out.stdout
     assert rows["SIGSTOP, replaced"][1] == "1"
     gaps = re.findall(r"differ from the undisturbed run's by (\S+) at most", out.stdout)
-    assert len(gaps) == 2 and all(float(g) <= 1e-5 for g in gaps)
+    assert len(gaps) == 2, out.stdout
+    allowed = _demo_gap_bound(steps=90)
+    assert all(float(g) <= allowed for g in gaps), (
+        f"the disturbed runs' parameters differ from the undisturbed run's by {gaps} (largest "
+        f"relative difference), above {allowed:.3g}: twice the bound of tests/exact.py (each run "
+        f"may be {FACTOR:g} x as far from a float64 loop as a float32 single process is, relative "
+        "to the parameter's largest value)"
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _script_module():
+def _demo_gap_bound(steps: int) -> float:
+    """How far apart two runs of ``towers demo --faults`` (seed 0) may end, in the demo's
+    measure (per parameter, the largest difference over the largest value): each may be as
+    far from a float64 loop as tests/exact.py allows, so two are at most twice that apart."""
+    from towers.tools.zoo import Parabola, parabola_data, parabola_loss
+
+    torch.manual_seed(0)
+    reference = Reference.of(
+        Parabola(),
+        parabola_data(),
+        batch_size=50,
+        steps=steps,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+        shuffle=False,
+        loss_fn=parabola_loss,
+    )
+    return max(
+        2 * bound(reference.single[name], exact)[1] / float(exact.abs().max())
+        for name, exact in reference.exact.items()
+    )
+
+
+def _script_reference(steps: int, batchnorm: bool) -> Reference:
+    """tests/scripts/elastic_loop.py's training in one plain process, in float32 and float64."""
     spec = importlib.util.spec_from_file_location("elastic_loop", SCRIPTS / "elastic_loop.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def loop(dtype: torch.dtype) -> tuple[torch.nn.Module, list[float]]:
+        model = script.build(batchnorm).to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for x, y in script.batches(steps):
+            loss = torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
+            losses.append(loss.item())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return model, losses
+
+    return Reference.run(loop)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("fault", "restarts", "batchnorm"), [(signal.SIGKILL, 1, False), (signal.SIGKILL, 0, True)]
-)
-def test_own_loop_under_towers_run_elastic_loses_a_worker_exactly(
-    tmp_path, fault, restarts, batchnorm
-):
+def test_own_loop_under_towers_run_elastic_loses_workers_exactly(tmp_path):
+    """Two of three workers SIGKILLed under ``towers run --elastic --max-restarts 1``: the first
+    is replaced, the second is not (the budget is spent); sync BatchNorm's statistics follow
+    the regroups, and every worker ends with one process's parameters and buffers."""
     seed = random.randrange(1 << 30)
     progress, out = tmp_path / "progress", tmp_path / "out"
     progress.mkdir()
     out.mkdir()
     rng = random.Random(seed)
-    saboteur = Saboteur(progress, [(rng.randrange(6, 20), fault)], rng)
+    first = rng.randrange(6, 15)  # loss calls: between steps 2 and 5 of 40
+    at = [first, first + rng.randrange(6, 15)]  # then a few steps of two workers
+    saboteur = Saboteur(progress, [(a, signal.SIGKILL) for a in at], rng)
     saboteur.start()
     cmd = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"), "-n", "3"]
-    cmd += ["--elastic", "--max-restarts", str(restarts), "--"]
+    cmd += ["--elastic", "--max-restarts", "1", "--"]
     cmd += ["--progress", str(progress), "--out", str(out), "--steps", "40", "--sleep", "0.1"]
-    cmd += ["--batchnorm"] if batchnorm else []
+    cmd += ["--batchnorm"]
     env = {**os.environ, "PYTHONPATH": str(Path(towers.__file__).parents[1])}
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
@@ -383,30 +425,25 @@ def test_own_loop_under_towers_run_elastic_loses_a_worker_exactly(
         saboteur.join()
     why = f"seed {seed}, faults {saboteur.hit}: {done.stderr[-2000:]}"
     assert done.returncode == 0, why
-    assert len(saboteur.hit) == 1, why
-    lost = saboteur.hit[0][0]
+    assert len(saboteur.hit) == 2, why
+    lost = sorted(w for w, _ in saboteur.hit)  # the second may be the replacement, worker 3
     finals = {int(p.stem.split("-")[1]): torch.load(p) for p in out.glob("final-*.pt")}
     # the replacement (worker 3) joins unless the others finish before it has started
-    assert set(finals) - {3} == {0, 1, 2} - {lost}, why
-    assert f"workers [{lost}] were lost, {restarts} replaced" in done.stderr, why
+    assert set(finals) - {3} == {0, 1, 2} - set(lost), why
+    said = re.search(r"towers run: workers \[([\d, ]+)\] were lost, 1 replaced", done.stderr)
+    assert said and sorted(int(w) for w in said[1].split(",")) == lost, why
 
-    script = _script_module()
-    model = script.build(batchnorm)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for x, y in script.batches(40):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    for final in finals.values():
-        assert final["steps"] == 40
-        got = final["model"]
-        for name, value in model.state_dict().items():
-            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    reference = _script_reference(40, batchnorm=True)
+    faults = f"seed {seed}, faults {saboteur.hit}"
+    for rank, final in finals.items():
+        assert final["steps"] == 40, why
+        reference.check(final["model"], f"worker {rank}, {faults}")  # BatchNorm's statistics too
     # a worker that was there from the start saw every step's loss once
-    assert_close_lists(finals[min(finals)]["losses"], losses)
+    reference.check_losses(finals[min(finals)]["losses"], f"worker {min(finals)}, {faults}")
+    # the workers apply the same sums: they hold the same numbers, bit for bit
+    first = finals[min(finals)]["model"]
+    for rank, final in finals.items():
+        assert all(torch.equal(v, first[k]) for k, v in final["model"].items()), (rank, faults)
 
 
 def failing_mse(model: torch.nn.Module, shard) -> torch.Tensor:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import functools
-import math
 
 import pytest
 import torch
-from helpers import assert_close_lists, assert_same_parameters, make_net, mse, regression_data
+from exact import Reference, as_float64
+from helpers import make_net, mse, regression_data
 from torch.utils.data import DataLoader, TensorDataset
 
 import towers
@@ -31,9 +32,14 @@ def plain_evaluate(model, data, eval_fn=None):
     return {k: float(v) for k, v in out.items()}
 
 
-def plain_loop(data, eval_data, *, batch_size, epochs, eval_every, eval_fn=None, seed=0):
-    """A typical script: a DataLoader, a per-epoch StepLR, evaluation every ``eval_every``."""
-    model = make_net()
+def plain_loop(
+    data, eval_data, *, batch_size, epochs, eval_every, eval_fn=None, seed=0, dtype=torch.float32
+):
+    """A typical script: a DataLoader, a per-epoch StepLR, evaluation every ``eval_every``;
+    in ``dtype`` (float64: the model, the data and the evaluation data cast)."""
+    model = make_net().to(dtype)
+    if dtype == torch.float64:
+        data, eval_data = as_float64(data), as_float64(eval_data)
     loader = DataLoader(
         TensorDataset(*data),
         batch_size=batch_size,
@@ -59,12 +65,38 @@ def plain_loop(data, eval_data, *, batch_size, epochs, eval_every, eval_fn=None,
     return model, losses, evals
 
 
-def assert_same_evals(got, expected):
-    assert [d for d, _ in got] == [d for d, _ in expected]
-    for (done, g), (_, e) in zip(got, expected, strict=True):
-        assert sorted(g) == sorted(e), done
-        for key in e:
-            assert math.isclose(g[key], e[key], rel_tol=1e-5, abs_tol=1e-7), (done, key, g, e)
+def values(evals) -> list[float]:
+    """Every metric of every evaluation, in order (by step, then by name)."""
+    return [e[key] for _, e in evals for key in sorted(e)]
+
+
+def assert_evals_like(got, single, exact, what="towers' evaluations"):
+    """``got`` (a run's ``evals``) at the steps and with the metrics of the plain loop's, each
+    value within the bound :class:`exact.Reference` derives from the plain evaluations in
+    float32 (``single``) and float64 (``exact``), over all the values."""
+    assert [(d, sorted(e)) for d, e in got] == [(d, sorted(e)) for d, e in exact]
+    Reference({}, {}, values(single), values(exact)).check_losses(values(got), what)
+
+
+def evaluation_reference(model, data, eval_fn=None):
+    """``plain_evaluate`` of ``model``'s parameters as they are, in float32 and in float64:
+    ``(float32 evals, float64 evals)``, each a list of one ``(0, metrics)``."""
+    single = plain_evaluate(copy.deepcopy(model), data, eval_fn)
+    exact = plain_evaluate(copy.deepcopy(model).double(), as_float64(data), eval_fn)
+    return [(0, single)], [(0, exact)]
+
+
+def plain_runs(data, eval_data, **loop):
+    """:func:`plain_loop` in float32 and in float64: a Reference of the training and the two
+    lists of evaluations."""
+    evals = {}
+
+    def run(dtype):
+        model, losses, evals[dtype] = plain_loop(data, eval_data, dtype=dtype, **loop)
+        return model, losses
+
+    reference = Reference.run(run)
+    return reference, evals[torch.float32], evals[torch.float64]
 
 
 @pytest.mark.timeout(90)
@@ -87,13 +119,13 @@ def test_sync_evaluation_and_epoch_schedule_match_a_plain_loop():
         eval_every=4,
         progress=False,
     )
-    model, losses, evals = plain_loop(
+    reference, single, exact = plain_runs(
         data, eval_data, batch_size=10, epochs=3, eval_every=4, eval_fn=metrics
     )
-    assert_close_lists(result.losses, losses)
-    assert_same_parameters(result.model, model)
+    reference.check_losses(result.losses)
+    reference.check(result.model)
     assert [d for d, _ in result.evals] == [4, 8, 12, 15]
-    assert_same_evals(result.evals, evals)
+    assert_evals_like(result.evals, single, exact)
 
 
 @pytest.mark.timeout(90)
@@ -115,10 +147,10 @@ def test_async_server_evaluates_and_schedules_per_epoch():
         eval_every=5,
         progress=False,
     )
-    model, losses, evals = plain_loop(data, eval_data, batch_size=10, epochs=2, eval_every=5)
-    assert_close_lists(result.losses, losses)
-    assert_same_parameters(result.model, model)
-    assert_same_evals(result.evals, evals)
+    reference, single, exact = plain_runs(data, eval_data, batch_size=10, epochs=2, eval_every=5)
+    reference.check_losses(result.losses)
+    reference.check(result.model)
+    assert_evals_like(result.evals, single, exact)
 
 
 def test_resume_keeps_evaluations_and_the_epoch_schedule(tmp_path):
@@ -133,12 +165,14 @@ def test_resume_keeps_evaluations_and_the_epoch_schedule(tmp_path):
         eval_every=5,
         progress=False,
     )
+    # workers=1: each run trains in this process, the resumed one as the whole one did
     whole = towers.train(make_net(), mse, data, steps=13, **common)
     towers.train(make_net(), mse, data, steps=7, checkpoint=tmp_path, checkpoint_every=7, **common)
     resumed = towers.train(make_net(), mse, data, steps=13, checkpoint=tmp_path, **common)
     assert [d for d, _ in resumed.evals] == [5, 10, 13]
-    assert_same_evals(resumed.evals, whole.evals)
-    assert_same_parameters(resumed.model, whole.model, rtol=0, atol=0)
+    assert resumed.evals == whole.evals  # the same arithmetic: equal bit for bit
+    for (name, p), q in zip(resumed.model.state_dict().items(), whole.model.state_dict().values()):
+        assert torch.equal(p, q), name
 
 
 def test_default_eval_fn_is_the_loss_over_all_samples():
@@ -146,10 +180,9 @@ def test_default_eval_fn_is_the_loss_over_all_samples():
     result = towers.train(
         make_net(), mse, data, batch_size=10, steps=3, workers=1, eval_data=eval_data
     )
-    trained = make_net()
-    trained.load_state_dict(result.model.state_dict())
     assert [d for d, _ in result.evals] == [3]
-    assert_same_evals(result.evals, [(3, plain_evaluate(trained, eval_data))])
+    single, exact = evaluation_reference(result.model, eval_data)
+    assert_evals_like([(0, result.evals[0][1])], single, exact)
 
 
 def not_a_dict(model, batch):
@@ -213,7 +246,8 @@ def test_local_sgd_evaluates_the_final_average_at_the_end():
         progress=False,
     )
     assert [d for d, _ in result.evals] == [3, 6]
-    assert_same_evals(result.evals[-1:], [(6, plain_evaluate(result.model, eval_data))])
+    single, exact = evaluation_reference(result.model, eval_data)
+    assert_evals_like([(0, result.evals[-1][1])], single, exact)
 
 
 class Pairs(torch.utils.data.Dataset):
@@ -247,10 +281,10 @@ def _own_loop_evaluation():
 
 @pytest.mark.timeout(60)
 def test_own_loop_evaluation_equals_one_process():
-    expected = plain_evaluate(make_net(), regression_data(23, seed=4), metrics)
+    single, exact = evaluation_reference(make_net(), regression_data(23, seed=4), metrics)
     for tensors, dataset, errors, training in towers.spawn(_own_loop_evaluation, 3):
-        assert tensors == pytest.approx(expected, rel=1e-6)
-        assert dataset == pytest.approx(expected, rel=1e-6)
+        assert_evals_like([(0, tensors)], single, exact, "ctx.evaluate of tensors")
+        assert_evals_like([(0, dataset)], single, exact, "ctx.evaluate of a Dataset")
         assert training  # the model is back in training mode
         assert "batch_size must be an int >= 1, got 0" in errors[0]
         assert "fn must be callable" in errors[1]

@@ -2,7 +2,8 @@
 
 On one machine, four local workers are told that ranks {0, 2} and {1, 3} are two hosts
 (``two_levels`` with that grouping): the sums and the own loop's steps are compared with flat
-sums and a plain single-process loop. On two network-namespace hosts with their own host names
+sums and a plain single-process loop (in float32 and float64 over the same batches, within
+tests/exact.py's bound). On two network-namespace hosts with their own host names
 and /dev/shm (tests/netns.py), ``torchrun --nnodes 2 --nproc-per-node 2`` picks the two levels
 by itself, trains like one process, runs the job's gradient transform among the leaders only,
 and sends fewer bytes between the hosts than the same job summed flat over Gloo.
@@ -10,6 +11,7 @@ and sends fewer bytes between the hosts than the same job summed flat over Gloo.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close_lists, reference_loop
+from exact import Reference, as_float64, states
 from netns import two_hosts
 
 import towers
@@ -109,7 +111,7 @@ def _pretend_hosts_worker():
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         results = [ctx.step(_mse(model, s), opt) for s in ctx.shards(_batches())]
         out[name] = {
-            "params": [p.detach().clone() for p in model.parameters()],
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "losses": [r.loss for r in results],
             "tower_losses": [r.tower_losses for r in results],
             "seen": recording.seen,
@@ -127,34 +129,56 @@ def test_two_levels_sum_and_train_like_one_process():
         ranks, lent, equal = out["sums"]
         assert ranks == [0, 1, 2, 3] and lent and equal, (rank, out["sums"])
 
-    reference = _net()
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    losses, tower_losses = [], []
-    for batch in _batches():
-        with torch.no_grad():
-            tower_losses.append([_mse(reference, s).item() for s in towers.split(batch, 4)])
-        opt.zero_grad()
-        loss = _mse(reference, batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    reference = _plain_loop()
     for rank, out in enumerate(outs):
         plain = out["plain"]
-        for got, want in zip(plain["params"], reference.parameters(), strict=True):
-            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
-        assert_close_lists(plain["losses"], losses)
+        reference.check(plain["params"], f"rank {rank}")
+        reference.check_losses(plain["losses"], f"rank {rank}")
+        reference.check_tower_losses(plain["tower_losses"], f"rank {rank}")
         # the transform runs on the leaders only, among the two of them, for every bucket
         assert plain["seen"] == (outs[0]["plain"]["seen"] if rank in leaders else [])
-        # int8 among the leaders; the metadata exact: step 0's losses, per tower too
+        # int8 among the leaders; the metadata exact: step 0's losses, per tower too, are the
+        # plain run's to the last bit (the same model, shards and arithmetic)
         coded = out["int8"]
-        assert coded["losses"][0] == pytest.approx(losses[0], rel=1e-6)
-        assert coded["tower_losses"][0] == pytest.approx(tower_losses[0], rel=1e-6)
-        assert coded["losses"] == pytest.approx(losses, rel=0.05)
+        assert coded["losses"][0] == plain["losses"][0]
+        assert coded["tower_losses"][0] == plain["tower_losses"][0]
+        # lossy by design: int8 rounds each value to 1/254 of its chunk's largest magnitude
+        # (test_compression.py's round trip); over 5 steps of SGD the losses stay within 5% of
+        # the plain loop's (measured: 0.03%), while they move by 12-170% from step to step
+        for step, (got, want) in enumerate(zip(coded["losses"], reference.losses, strict=True)):
+            assert abs(got - want) <= 0.05 * abs(want), (
+                f"rank {rank}, step {step}: int8's loss {got:.6g} is more than 5% from the "
+                f"plain loop's {want:.6g}"
+            )
     seen = outs[0]["plain"]["seen"]
-    assert len(seen) > len(losses) and set(seen) == {2}  # several buckets a step, 2 ranks each
+    assert len(seen) > len(reference.losses) and set(seen) == {2}  # buckets a step, 2 ranks each
     for out in outs[1:]:  # every rank holds the same parameters, bit for bit
-        for a, b in zip(out["int8"]["params"], outs[0]["int8"]["params"], strict=True):
-            assert torch.equal(a, b)
+        for name, a in out["int8"]["params"].items():
+            assert torch.equal(a, outs[0]["int8"]["params"][name]), name
+
+
+def _plain_loop() -> Reference:
+    """The plain loop over ``_batches()`` (SGD with momentum, per-tower losses of the split
+    batch), in float32 and in float64."""
+    runs = {}
+    for dtype in (torch.float32, torch.float64):
+        model = _net().to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses, tower_losses = [], []
+        for batch in _batches():
+            batch = as_float64(batch) if dtype == torch.float64 else batch
+            with torch.no_grad():
+                tower_losses.append([_mse(model, s).item() for s in towers.split(batch, 4)])
+            opt.zero_grad()
+            loss = _mse(model, batch)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs[dtype] = model, losses, tower_losses
+    (single, losses, tower_losses), (exact, exact_losses, exact_tower_losses) = runs.values()
+    return Reference(
+        states(single), states(exact), losses, exact_losses, tower_losses, exact_tower_losses
+    )
 
 
 def _rank0_only_mean():
@@ -220,31 +244,41 @@ def test_two_hosts_of_two_workers_sum_in_two_levels(tmp_path):
         import hier_hosts as script
     finally:
         sys.path.remove(str(SCRIPTS))
-    reference = script.build_model()
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for batch in script.global_batches():
-        opt.zero_grad()
-        script.mse(reference, batch).backward()
-        opt.step()
-    for name, p in reference.state_dict().items():
-        torch.testing.assert_close(got["loop"][name], p, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got["flat_loop"][name], p, rtol=1e-5, atol=1e-6)
 
-    reference = script.build_model()
+    def loop(dtype: torch.dtype) -> tuple[torch.nn.Module, list[float]]:
+        model = script.build_model().to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for batch in script.global_batches():
+            opt.zero_grad()
+            script.mse(model, as_float64(batch) if dtype == torch.float64 else batch).backward()
+            opt.step()
+        return model, []
+
+    # the own loop in two levels and flat over Gloo sum in different orders: each against the
+    # plain loop in float64
+    reference = Reference.run(loop)
+    reference.check(got["loop"], "the own loop in two levels")
+    reference.check(got["flat_loop"], "the own loop, flat over Gloo")
+
     sgd = functools.partial(torch.optim.SGD, lr=0.01)
-    losses, tower_losses, _ = reference_loop(
-        reference, script.data(), batch_size=10, steps=4, optimizer=sgd, seed=4,
+    reference = Reference.of(
+        script.build_model(), script.data(), batch_size=10, steps=4, optimizer=sgd, seed=4,
         loss_fn=script.mse, towers=4,
     )  # fmt: skip
-    assert_close_lists(got["losses"], losses)
-    for name, p in reference.state_dict().items():
-        torch.testing.assert_close(got["train"][name], p, rtol=1e-5, atol=1e-6)
-    # int8 between the hosts; the metadata exact
-    assert got["coded_losses"][0] == pytest.approx(losses[0], rel=1e-6)
-    assert got["coded_tower_losses"][0] == pytest.approx(tower_losses[0], rel=1e-6)
+    reference.check_losses(got["losses"])
+    reference.check(got["train"])
+    # int8 between the hosts; the metadata exact: step 0's loss is the plain run's to the last
+    # bit (the same model, shards and arithmetic), its tower losses the plain loop's
+    assert got["coded_losses"][0] == got["losses"][0]
+    first = dataclasses.replace(
+        reference,
+        tower_losses=reference.tower_losses[:1],
+        exact_tower_losses=reference.exact_tower_losses[:1],
+    )
+    first.check_tower_losses(got["coded_tower_losses"][:1], "int8, step 0")
 
     # between the hosts: one sum among two leaders instead of one among four ranks
     hier, flat = got["bytes"]["hier"], got["bytes"]["flat"]
-    grads = sum(p.numel() for p in reference.parameters()) * 4 * script.STEPS
+    grads = sum(v.numel() for v in reference.model.values()) * 4 * script.STEPS
     assert hier < flat, got["bytes"]
     assert hier < 2.5 * grads, (got["bytes"], grads)  # tx and rx: about twice the gradients

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Net, mse, reference_loop, regression_data
+from exact import Reference
+from helpers import Net, mse, regression_data
 from torch import nn
 
 import towers
@@ -40,12 +41,9 @@ def test_sync_batchnorm_train_equals_one_process():
         bn_model(), mse, (x, y), workers=3, sync_batchnorm=True, progress=False,
         transport="gloo", **kwargs,
     )  # fmt: skip
-    reference = bn_model()
-    losses, _, _ = reference_loop(reference, (x, y), **kwargs)
-    assert result.losses == pytest.approx(losses, rel=1e-5)
-    for name, value in reference.state_dict().items():
-        got = result.model.state_dict()[name]
-        torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=name)
+    reference = Reference.of(bn_model(), (x, y), **kwargs)
+    reference.check_losses(result.losses)
+    reference.check(result.model)  # parameters and running statistics
 
 
 def test_batchnorm_without_sync_warns_and_the_refusals_say_why():

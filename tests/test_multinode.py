@@ -1,7 +1,9 @@
 """Two hosts for real: network namespaces joined by a veth pair, torchrun --nnodes 2 in each.
 
 The host name resolves to 127.0.0.1 in both (as in many containers): towers must still pick the
-interface that reaches MASTER_ADDR by itself (GLOO_SOCKET_IFNAME unset).
+interface that reaches MASTER_ADDR by itself (GLOO_SOCKET_IFNAME unset). Both the own loop and
+towers.train are compared with a plain loop in float32 and float64 over the same batches, within
+tests/exact.py's bound.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import reference_loop
+from exact import Reference, as_float64
 from netns import two_hosts
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -53,20 +55,22 @@ def test_two_hosts_train_like_one(tmp_path):
     spec = importlib.util.spec_from_file_location("script_two_hosts", SCRIPTS / "two_hosts.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    reference = script.build_model()
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for batch in script.global_batches():
-        opt.zero_grad()
-        script.mse(reference, batch).backward()
-        opt.step()
-    for name, p in reference.state_dict().items():
-        torch.testing.assert_close(got["loop"][name], p, rtol=1e-5, atol=1e-6)
 
-    reference = script.build_model()
+    def loop(dtype: torch.dtype) -> tuple[torch.nn.Module, list[float]]:
+        model = script.build_model().to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for batch in script.global_batches():
+            opt.zero_grad()
+            script.mse(model, as_float64(batch) if dtype == torch.float64 else batch).backward()
+            opt.step()
+        return model, []
+
+    Reference.run(loop).check(got["loop"], "the own loop")
+
     sgd = functools.partial(torch.optim.SGD, lr=0.01)
-    losses, _, _ = reference_loop(
-        reference, script.data(), batch_size=7, steps=5, optimizer=sgd, seed=4, loss_fn=script.mse
-    )
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
-    for name, p in reference.state_dict().items():
-        torch.testing.assert_close(got["train"][name], p, rtol=1e-5, atol=1e-6)
+    reference = Reference.of(
+        script.build_model(), script.data(), batch_size=7, steps=5, optimizer=sgd, seed=4,
+        loss_fn=script.mse,
+    )  # fmt: skip
+    reference.check_losses(got["losses"], "towers.train")
+    reference.check(got["train"], "towers.train")

@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from exact import Reference, as_float64, states
 from helpers import Net, mse, regression_data
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -22,9 +23,15 @@ from towers.core.agree import BatchStamp, fingerprint, mean_vector, weighted_mea
 STEPS, BATCH, CLIP = 6, 11, 0.05
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
     x, y = regression_data(STEPS * BATCH)
+    if dtype == torch.float64:
+        x, y = as_float64((x, y))
     return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, STEPS * BATCH, BATCH)]
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def bn_net() -> nn.Module:
@@ -43,7 +50,7 @@ def _clipped_loop(ctx):
         opt.step()
         opt.zero_grad()
         losses.append(r.loss)
-    return [p.detach().clone() for p in model.parameters()], norms, losses
+    return _state(model), norms, losses
 
 
 def _scaled_loop(ctx):
@@ -59,7 +66,7 @@ def _scaled_loop(ctx):
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
+    return _state(model)
 
 
 def _batchnorm_loop(ctx):
@@ -71,7 +78,7 @@ def _batchnorm_loop(ctx):
         model.eval()
         model(batches()[0][0])
         model.train()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _state(model)
 
 
 def _mistakes(ctx):
@@ -126,64 +133,68 @@ def own_loop_cases():
         ctx.close()
 
 
-def _plain_clipped():
+def _plain_clipped(dtype: torch.dtype):
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(dtype)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     norms, losses = [], []
-    for batch in batches():
+    for batch in batches(dtype):
         loss = mse(model, batch)
         loss.backward()
         norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return list(model.parameters()), norms, losses
+    return model, norms, losses
 
 
-def _plain_scaled():
+def _plain_scaled(dtype: torch.dtype):
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for batch in batches():
+    for batch in batches(dtype):
         mse(model, batch).backward()
         nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
-    return list(model.parameters())
+    return model, []
 
 
-def _plain_batchnorm():
-    model = bn_net()
+def _plain_batchnorm(dtype: torch.dtype):
+    model = bn_net().to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for batch in batches():
+    for batch in batches(dtype):
         mse(model, batch).backward()
         opt.step()
         opt.zero_grad()
-    return model.state_dict()
+    return model, []
+
+
+def _references() -> tuple[Reference, Reference, Reference, Reference]:
+    """The plain loops in float32 and float64 (tests/exact.py): the clipped loop's parameters
+    and losses, its gradient norms, the scaled loop's and the BatchNorm loop's states."""
+    (m32, n32, l32), (m64, n64, l64) = _plain_clipped(torch.float32), _plain_clipped(torch.float64)
+    clipped = Reference(states(m32), states(m64), l32, l64)
+    norms = Reference(states(m32), states(m64), n32, n64)
+    return clipped, norms, Reference.run(_plain_scaled), Reference.run(_plain_batchnorm)
 
 
 @pytest.mark.timeout(90)
 def test_own_loop_open_step_matches_plain_loops():
     out = towers.spawn(own_loop_cases, 3)
-    params, norms, losses = _plain_clipped()
-    bn = _plain_batchnorm()
-    scaled_reference = _plain_scaled()
-    for clipped, scaled, bn_warning, bn_state, means, (errors, skip) in out:
+    clipped_reference, norms_reference, scaled_reference, bn_reference = _references()
+    for rank, (clipped, scaled, bn_warning, bn_state, means, (errors, skip)) in enumerate(out):
         # ctx.backward + clip_grad_norm_ + Adam == the same on the full batch, on every rank
         got_params, got_norms, got_losses = clipped
         assert max(got_norms) > CLIP  # the clipping did bite
-        for p, q in zip(got_params, params, strict=True):
-            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
-        assert got_norms == pytest.approx(norms, rel=1e-5)
-        assert got_losses == pytest.approx(losses, rel=1e-5)
+        clipped_reference.check(got_params, f"rank {rank}, clipped")
+        norms_reference.check_losses(got_norms, f"rank {rank}, gradient norms")
+        clipped_reference.check_losses(got_losses, f"rank {rank}, clipped")
         # GradScaler: scale and unscale cancel; the result is the plain clipped loop's
-        for p, q in zip(scaled, scaled_reference, strict=True):
-            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+        scaled_reference.check(scaled, f"rank {rank}, GradScaler")
         # BatchNorm: a warning without sync_batchnorm; with it, one process's result
         assert len(bn_warning) == 1 and "sync_batchnorm=True" in bn_warning[0]
-        for name, value in bn.items():
-            torch.testing.assert_close(bn_state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        bn_reference.check(bn_state, f"rank {rank}, sync_batchnorm")
         # ctx.mean: weights 1, 4, 0 samples
         assert means["loss"] == pytest.approx((1 * 1 + 4 * 2) / 5)
         assert means["acc"] == pytest.approx((4 * 0.5) / 5)

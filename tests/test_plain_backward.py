@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from exact import Reference, as_float64
 from helpers import SCRIPTS, make_net, mse, regression_data
 
 import towers
@@ -54,37 +55,42 @@ def _ddp_loop(accumulate: str | None = None, nan_at: int | None = None):
         opt.step()
         results.append(ctx.last)
     ctx.close()
-    return results, [p.detach().clone() for p in model.parameters()]
+    return results, _state(model)
 
 
-def _one_process(accumulate: bool = False, nan_at: int | None = None):
-    model = make_net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    micro = 2 if accumulate else 1
-    batches = _batches(STEPS * micro, BATCH)
-    if nan_at is not None:
-        batches[nan_at][0][-1, 0] = math.nan
-    for k in range(STEPS):
-        opt.zero_grad()
-        for m in range(micro):
-            (mse(model, batches[k * micro + m]) / micro).backward()
-        if all(torch.isfinite(p.grad).all() for p in model.parameters()):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-    return list(model.parameters())
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _assert_equal_to(params, expected):
-    for p, q in zip(params, expected, strict=True):
-        torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+def _one_process(accumulate: bool = False, nan_at: int | None = None) -> Reference:
+    """The same steps in one plain process, in float32 and in float64 (tests/exact.py)."""
+
+    def loop(dtype: torch.dtype):
+        model = make_net().to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        micro = 2 if accumulate else 1
+        batches = _batches(STEPS * micro, BATCH)
+        if nan_at is not None:
+            batches[nan_at][0][-1, 0] = math.nan
+        batches = [as_float64(b) if dtype == torch.float64 else b for b in batches]
+        for k in range(STEPS):
+            opt.zero_grad()
+            for m in range(micro):
+                (mse(model, batches[k * micro + m]) / micro).backward()
+            if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+        return model, []
+
+    return Reference.run(loop)
 
 
 @pytest.mark.timeout(120)
 def test_loss_backward_on_the_replicated_model_trains_as_one_process():
     ranks = towers.spawn(_ddp_loop, 3, timeout=100)
     expected = _one_process()
-    for results, params in ranks:
-        _assert_equal_to(params, expected)
+    for rank, (results, params) in enumerate(ranks):
+        expected.check(params, f"rank {rank}")
         assert [r.tower_samples for r in results] == [[5, 5, 4]] * STEPS
         assert all(math.isnan(r.loss) and not r.skipped for r in results)
 
@@ -94,12 +100,11 @@ def test_loss_backward_on_the_replicated_model_trains_as_one_process():
 def test_accumulation_stays_local_until_the_last_micro_batch(accumulate):
     ranks = towers.spawn(_ddp_loop, 2, accumulate, timeout=100)
     expected = _one_process(accumulate=True)
-    for results, params in ranks:
-        _assert_equal_to(params, expected)
+    for rank, (results, params) in enumerate(ranks):
+        expected.check(params, f"rank {rank}")
         assert [r.tower_samples for r in results] == [[14, 14]] * STEPS  # two shards of 7 each
 
 
-@pytest.mark.timeout(120)
 def _warned(*args):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -107,11 +112,12 @@ def _warned(*args):
     return results, params, [str(w.message) for w in caught if "skipped" in str(w.message)]
 
 
+@pytest.mark.timeout(120)
 def test_a_non_finite_gradient_skips_the_step_on_every_rank():
     ranks = towers.spawn(_warned, 3, None, 3, timeout=100)
     expected = _one_process(nan_at=3)
     for rank, (results, params, said) in enumerate(ranks):
-        _assert_equal_to(params, expected)
+        expected.check(params, f"rank {rank}")
         assert [k for k, r in enumerate(results) if r.skipped] == [3]
         assert results[3].culprits == [2]
         # rank 0 says so once, with what a float16 GradScaler needs instead
@@ -140,31 +146,38 @@ def _prefetching_loop(micro: int, batch: int):
         opt.zero_grad(set_to_none=True)
         samples.append(sum(ctx.last.tower_samples))
     ctx.close()
-    return samples, [p.detach().clone() for p in model.parameters()]
+    return samples, _state(model)
 
 
-def _prefetching_one_process(micro: int, batch: int):
-    torch.manual_seed(0)
-    model = make_net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    draw = lambda: regression_data(n=batch, seed=int(torch.randint(1 << 30, ())))  # noqa: E731
-    x, y = draw()
-    for _ in range(STEPS):
-        for _ in range(micro):
-            loss = mse(model, (x, y)) / micro
-            x, y = draw()
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return list(model.parameters())
+def _prefetching_one_process(micro: int, batch: int) -> Reference:
+    def loop(dtype: torch.dtype):
+        torch.manual_seed(0)
+        model = make_net().to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def draw():
+            xy = regression_data(n=batch, seed=int(torch.randint(1 << 30, ())))
+            return as_float64(xy) if dtype == torch.float64 else xy
+
+        x, y = draw()
+        for _ in range(STEPS):
+            for _ in range(micro):
+                loss = mse(model, (x, y)) / micro
+                x, y = draw()
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return model, []
+
+    return Reference.run(loop)
 
 
 @pytest.mark.timeout(120)
 def test_a_prefetching_loop_with_ctx_shard_trains_as_one_process():
     ranks = towers.spawn(_prefetching_loop, 3, 2, 10, timeout=100)
     expected = _prefetching_one_process(2, 10)
-    for samples, params in ranks:
-        _assert_equal_to(params, expected)
+    for rank, (samples, params) in enumerate(ranks):
+        expected.check(params, f"rank {rank}")
         assert samples == [20] * STEPS  # each step weighs its own two micro-batches
 
 
@@ -209,25 +222,30 @@ def test_a_single_process_keeps_its_loop_unchanged():
         opt.step()
     assert ctx.steps == STEPS and ctx.last.tower_samples == [BATCH]
     ctx.close()
-    _assert_equal_to(list(model.parameters()), _one_process())
+    _one_process().check(model, "one rank")
     assert cut(torch.arange(3), [3])[0].tolist() == [0, 1, 2]
 
 
-def _one_process_of_the_script() -> list[torch.Tensor]:
+def _one_process_of_the_script() -> Reference:
     spec = importlib.util.spec_from_file_location("ddp_habits", SCRIPTS / "ddp_habits.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    torch.manual_seed(1337)
-    model = script.build()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(script.STEPS):
-        opt.zero_grad(set_to_none=True)
-        for _ in range(script.MICRO):
-            x, y = script.get_batch()
-            ((model(x) - y).square().mean() / script.MICRO).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    return list(model.parameters())
+
+    def loop(dtype: torch.dtype):
+        model = script.build().to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(1337)
+        for _ in range(script.STEPS):
+            opt.zero_grad(set_to_none=True)
+            for _ in range(script.MICRO):
+                x, y = script.get_batch()
+                x, y = x.to(dtype), y.to(dtype)
+                ((model(x) - y).square().mean() / script.MICRO).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        return model, []
+
+    return Reference.run(loop)
 
 
 @pytest.mark.slow
@@ -241,10 +259,11 @@ def test_a_ddp_script_with_its_setup_changed_equals_one_process(tmp_path, launch
     else:
         cmd = [sys.executable, "-m", "towers", "run", script, "-n", "2", "--", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    _assert_equal_to(torch.load(out), _one_process_of_the_script())
-    cmd.append("--rank0-eval")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
-    assert done.returncode != 0
-    assert "a random draw made on some ranks only" in done.stdout + done.stderr
+    # one job: it trains and saves, then trains again with rank 0's extra draw, refused
+    done = subprocess.run(
+        [*cmd, "--rank0-eval"], capture_output=True, text=True, timeout=150, env=env
+    )
+    said = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode != 0, said
+    assert "a random draw made on some ranks only" in done.stdout + done.stderr, said
+    _one_process_of_the_script().check(torch.load(out), f"rank 0 under {launcher}")

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from exact import Reference, as_float64
 from helpers import Net, make_net, mse, regression_data
 
 import towers
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def env_report():
@@ -90,31 +86,37 @@ def low_level_steps():
     for shard in ctx.shards([(x, y), (x[:2], y[:2])]):
         loss = mse(model, shard) if len(shard[0]) else None
         results.append(ctx.step(loss, opt))
-    params = [p.detach().clone() for p in model.parameters()]
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ctx.close()
     return results, params
+
+
+def plain_steps(dtype: torch.dtype) -> tuple[torch.nn.Module, list[float]]:
+    """low_level_steps' two global batches in one plain process."""
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = regression_data(7)
+    x, y = (x, y) if dtype == torch.float32 else as_float64((x, y))
+    losses = []
+    for batch in [(x, y), (x[:2], y[:2])]:
+        opt.zero_grad()
+        loss = mse(model, batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
 
 
 @pytest.mark.timeout(60)
 def test_low_level_step_matches_a_plain_loop():
     out = towers.spawn(low_level_steps, 3)
-    torch.manual_seed(0)
-    reference = Net()
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    x, y = regression_data(7)
-    for step, batch in enumerate([(x, y), (x[:2], y[:2])]):
-        opt.zero_grad()
-        loss = mse(reference, batch)
-        loss.backward()
-        opt.step()
-        for results, _ in out:
-            r = results[step]
-            assert r.loss == pytest.approx(loss.item(), rel=1e-5)
-            assert r.tower_samples == ([3, 2, 2] if step == 0 else [1, 1, 0])
-            assert not r.skipped
-    for _, params in out:
-        for p, q in zip(params, reference.parameters(), strict=True):
-            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+    reference = Reference.run(plain_steps)
+    for rank, (results, params) in enumerate(out):
+        assert [r.tower_samples for r in results] == [[3, 2, 2], [1, 1, 0]]
+        assert not any(r.skipped for r in results)
+        reference.check_losses([r.loss for r in results], f"rank {rank}")
+        reference.check(params, f"rank {rank}")
 
 
 def test_init_without_a_launcher_is_a_world_of_one(monkeypatch):
@@ -130,80 +132,96 @@ def test_init_without_a_launcher_is_a_world_of_one(monkeypatch):
 
 SCRIPT = textwrap.dedent(
     """
-    import os, sys, time
-    rank = int(os.environ["RANK"])
-    # one write per line: ranks share the pipe, and print() writes the newline separately
-    sys.stdout.write(f"rank {rank} of {os.environ['WORLD_SIZE']} args {sys.argv[1:]}\\n")
-    sys.stdout.flush()
-    if "--fail" in sys.argv and rank == 1:
-        sys.exit(3)
-    if "--fail" in sys.argv:
-        time.sleep(60)  # the launcher must stop this rank once rank 1 failed
-    """
-)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(60)
-def test_towers_run_starts_ranks_and_stops_them_when_one_fails(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": SRC}
-    cmd = [sys.executable, "-m", "towers", "run", str(script), "-n", "3", "--", "--x", "1"]
-    ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
-    assert ok.returncode == 0, ok.stderr
-    for rank in range(3):
-        assert f"rank {rank} of 3 args ['--x', '1']" in ok.stdout
-    cmd = [sys.executable, "-m", "towers", "run", str(script), "-n", "3", "--", "--fail"]
-    failed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
-    assert failed.returncode == 3
-    assert "rank 1 failed with exit code 3" in failed.stderr
-    cmd = [sys.executable, "-m", "towers", "run", str(tmp_path / "missing.py"), "-n", "2"]
-    missing = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
-    assert missing.returncode == 2 and "no such script" in missing.stderr
-
-
-TRAIN_SCRIPT = textwrap.dedent(
-    """
     import os
     import sys
-    import torch
-    import towers
+    import time
+
 
     def loss_fn(model, shard):
         x, y = shard
         return (model(x) - y).square().mean()
 
+
     if __name__ == "__main__":
+        rank = int(os.environ["RANK"])
+        # one write per line: ranks share the pipe, and print() writes the newline separately
+        sys.stdout.write(f"rank {rank} of {os.environ['WORLD_SIZE']} args {sys.argv[1:]}\\n")
+        sys.stdout.flush()
+        if "--fail" in sys.argv:  # before torch is imported: every rank is up at once
+            if rank == 1:
+                sys.exit(3)
+            time.sleep(60)  # the launcher must stop this rank once rank 1 failed
+            sys.exit(0)
+        import torch
+        import towers
+
         torch.manual_seed(0)
         x = torch.linspace(-2, 2, 40).unsqueeze(1)
         r = towers.train(torch.nn.Linear(1, 1), loss_fn, (x, 3 * x), batch_size=8, steps=10,
                          workers=2, progress=False)
-        rank = os.environ["RANK"]
-        if r.mode != "sync" or rank == "0":
+        if r.mode != "sync" or rank == 0:
             sys.stdout.write(f"rank {rank} {r.mode} {r.workers} {len(r.staleness)}\\n")
     """
 )
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(90)
-def test_towers_run_mode_sets_the_mode_of_train(tmp_path):
+@pytest.mark.timeout(180)  # five fresh processes that import torch
+def test_towers_run_mode_sets_the_mode_of_train(tmp_path, capsys, monkeypatch):
+    """Every rank gets its rank, the world size and the script's arguments; without --mode,
+    towers.train in the script trains sync over the ranks; --mode async adds rank 0, the
+    parameter server. ``towers run``'s code runs in this process (``python -m towers`` only
+    adds ``sys.exit``: test_cli.py and the launcher tests of test_plain_backward.py and
+    test_elastic.py run the command)."""
+    from towers.tools.cli import main
+
+    # towers run sets TOWERS_MODE for its ranks: taken back after the test
+    monkeypatch.setenv("TOWERS_MODE", "sync")
     script = tmp_path / "train_script.py"
-    script.write_text(TRAIN_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": SRC}
-    base = [sys.executable, "-m", "towers", "run", str(script), "-n", "2"]
-    sync = subprocess.run(base, env=env, capture_output=True, text=True, timeout=80)
-    assert sync.returncode == 0, sync.stderr
-    assert sync.stdout.split("\n")[0] == "[rank0]: rank 0 sync 2 0"  # each line names its rank
+    script.write_text(SCRIPT)
+    base = ["run", str(script), "-n", "2"]
+    assert main([*base, "--", "--x", "1"]) == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert sorted(out.splitlines()) == [  # each line names its rank
+        "[rank0]: rank 0 of 2 args ['--x', '1']",
+        "[rank0]: rank 0 sync 2 0",
+        "[rank1]: rank 1 of 2 args ['--x', '1']",
+    ], out + err
     # --mode async: three processes, rank 0 the parameter server; every rank gets the result
-    run_async = subprocess.run(
-        [*base, "--mode", "async"], env=env, capture_output=True, text=True, timeout=80
-    )
-    assert run_async.returncode == 0, run_async.stderr
-    assert "rank 0 is the parameter server" in run_async.stderr
-    lines = sorted(run_async.stdout.splitlines())
-    assert lines == [f"[rank{r}]: rank {r} async 2 20" for r in range(3)]  # 10 batches x 2 shards
+    assert main([*base, "--mode", "async", "--", "--x", "1"]) == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "rank 0 is the parameter server" in err
+    assert sorted(out.splitlines()) == [
+        line
+        for r in range(3)  # 10 batches x 2 shards
+        for line in (
+            f"[rank{r}]: rank {r} async 2 20",
+            f"[rank{r}]: rank {r} of 3 args ['--x', '1']",
+        )
+    ], out + err
+
+
+@pytest.mark.timeout(60)
+def test_towers_run_starts_ranks_and_stops_them_when_one_fails(tmp_path, capsys):
+    """``towers run``'s code in this process, as above: every rank starts with its arguments;
+    when one fails, the others are stopped at once (they would sleep a minute) and its exit
+    code is the run's."""
+    import time
+
+    from towers.tools.cli import main
+
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    start = time.monotonic()
+    assert main(["run", str(script), "-n", "3", "--", "--fail"]) == 3
+    assert time.monotonic() - start < 30  # 5 s of grace, then terminated
+    out, err = capsys.readouterr()
+    for rank in range(3):
+        assert f"[rank{rank}]: rank {rank} of 3 args ['--fail']" in out, out
+    assert "rank 1 failed with exit code 3" in err
+    # a missing script: refused before anything starts
+    assert main(["run", str(tmp_path / "missing.py"), "-n", "2"]) == 2
+    assert "no such script" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

@@ -19,12 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import (
-    assert_close_lists,
-    assert_same_parameters,
-    elastic_loop_reference,
-    reference_loop,
-)
+from exact import Reference
+from helpers import elastic_loop_reference
 from netns import two_hosts, unavailable
 
 import towers
@@ -201,26 +197,24 @@ def _wait_for(what: str, check, seconds: float = 30.0):
         time.sleep(0.02)
 
 
-def _train_reference(steps: int):
+def _train_reference(steps: int) -> Reference:
     sys.path.insert(0, str(SCRIPTS))
     try:
         import elastic_train as job
     finally:
         sys.path.remove(str(SCRIPTS))
-    model = job.build()
-    losses, _, _ = reference_loop(
-        model,
+    return Reference.of(
+        job.build(),
         job.data(),
         batch_size=12,
         steps=steps,
         optimizer=job.OPTIMIZER,
-@pytest.mark.slow
         shuffle=False,
         loss_fn=job.mse,
     )
-    return model, losses
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None,
@@ -270,22 +264,15 @@ def test_another_users_process_cannot_join_an_elastic_job_or_run_code_in_it(tmp_
     assert "could not join" in said, said
     assert not marker.exists(), said
     assert job.returncode == 0, err[-3000:]
-    result = torch.load(out)
-    model, losses = _train_reference(steps)
-    trained = _train_reference(0)[0]
-    trained.load_state_dict(result["model"])
-    assert_same_parameters(trained, model)
-    assert_close_lists(result["losses"], losses)
+    _train_reference(steps).check(torch.load(out), "the job beside the intruder")
 
 
 def _check_finals(out: Path, ranks: set[int], steps: int, why: str) -> None:
     finals = {int(p.stem.split("-")[1]): torch.load(p) for p in out.glob("*.pt")}
     assert set(finals) == ranks, why
-    model, losses = elastic_loop_reference(steps)
-    for final in finals.values():
-        for name, value in model.state_dict().items():
-            torch.testing.assert_close(final["model"][name], value, rtol=1e-5, atol=1e-6)
-        assert_close_lists(final["losses"], losses)
+    reference = elastic_loop_reference(steps)
+    for rank, final in finals.items():
+        reference.check(final, f"worker {rank}, {why}")
 
 
 def _run_loop(args: list[str], tmp: Path, name: str, steps: int, **popen) -> subprocess.Popen:
@@ -300,7 +287,6 @@ def _run_loop(args: list[str], tmp: Path, name: str, steps: int, **popen) -> sub
     if run is not None:
         return run.popen([*cmd, *script], env=env, stderr=subprocess.PIPE)
     return subprocess.Popen([*cmd, *script], env=env, stderr=subprocess.PIPE, text=True)
-@pytest.mark.slow
 
 
 def _steps_done(progress: Path) -> int:
@@ -314,40 +300,11 @@ def _stop(*procs: subprocess.Popen | None) -> None:
             proc.communicate()
 
 
-@pytest.mark.timeout(120)
-def test_a_second_job_on_the_same_port_is_refused_at_once(tmp_path):
-    port, steps = random.randrange(20000, 30000), 30
-    first = _run_loop(["-n", "2", "--port", str(port)], tmp_path, "first", steps)
-    second = None
-    try:
-        _wait_for("the first job's 4 steps", lambda: _steps_done(tmp_path / "first") >= 8, 90)
-        started = time.monotonic()
-        second = _run_loop(["-n", "2", "--port", str(port)], tmp_path, "second", steps)
-        err2 = second.communicate(timeout=90)[1]
-        refused_in = time.monotonic() - started
-        running = first.poll() is None
-        (tmp_path / "first" / "go").touch()
-        err1 = first.communicate(timeout=60)[1]
-    finally:
-        _stop(first, second)
-    assert second.returncode != 0, err2[-3000:]
-    assert "another towers job (job " in err2 and f"is using port {port}" in err2, err2[-3000:]
-    assert "Give this job another port" in err2
-    assert f"cannot listen for the rendezvous on 127.0.0.1:{port}" in err2  # its own rank 0
-    assert "TimeoutError" not in err2
-    assert refused_in < 60, refused_in  # not after the rendezvous timeout (60 s)
-    assert running, "the first job should still be running"
-    assert first.returncode == 0, err1[-3000:]
-    assert not list((tmp_path / "second").glob("*.pt"))
-    _check_finals(tmp_path / "first", {0, 1}, steps, err1[-3000:])
-
-
 def _listeners(host) -> list[tuple[str, int]]:
     """Every listening TCP socket in ``host``'s namespace: (hex address, port)."""
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         text = subprocess.run(host.command(["cat", table]), capture_output=True, text=True).stdout
-@pytest.mark.slow
         for line in text.splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A":
@@ -361,28 +318,45 @@ def _hex(addr: str) -> str:
     return "".join(f"{int(part):02X}" for part in reversed(addr.split(".")))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("elastic", [False, True], ids=["plain", "elastic"])
 def test_towers_run_listens_on_the_address_given_only(tmp_path, elastic):
-    """In a fresh network namespace every listener is the job's: none may be on 0.0.0.0."""
+    """In a fresh network namespace every listener is the job's: none may be on 0.0.0.0. A
+    second job started on the same address and port while the first runs is refused at once,
+    naming the job that holds the port, and the first trains on (the plain job)."""
     port, steps = random.randrange(20000, 30000), 12
+    second = err2 = None
     with two_hosts() as (a, _):
         args = ["-n", "2", "--addr", a.addr, "--port", str(port)]
         job = _run_loop(args + (["--elastic"] if elastic else []), tmp_path, "job", steps, host=a)
         try:
             _wait_for("the job's 4 steps", lambda: _steps_done(tmp_path / "job") >= 8, 90)
             listening = _listeners(a)
+            if not elastic:
+                started = time.monotonic()
+                second = _run_loop(args, tmp_path, "second", steps, host=a)
+                err2 = second.communicate(timeout=90)[1]
+                refused_in = time.monotonic() - started
+                assert job.poll() is None, "the first job should still be running"
             (tmp_path / "job" / "go").touch()
             err = job.communicate(timeout=60)[1]
         finally:
-            _stop(job)
+            _stop(job, second)
     assert job.returncode == 0, err[-3000:]
     assert (_hex(a.addr), port) in listening, listening
     wildcard = [(addr, p) for addr, p in listening if set(addr) == {"0"}]
     assert wildcard == [], listening
     _check_finals(tmp_path / "job", {0, 1}, steps, err[-3000:])
+    if second is not None:
+        assert second.returncode != 0, err2[-3000:]
+        assert "another towers job (job " in err2 and f"is using port {port}" in err2, err2[-3000:]
+        assert "Give this job another port" in err2
+        assert f"cannot listen for the rendezvous on {a.addr}:{port}" in err2  # its own rank 0
+        assert "TimeoutError" not in err2
+        assert refused_in < 60, refused_in  # not after the rendezvous timeout (60 s)
+        assert not list((tmp_path / "second").glob("*.pt"))
 
-@pytest.mark.slow
 
 def _node(host, master, rank: int, port: int, tmp: Path, secret_args: list[str], env=None):
     (tmp / f"node{rank}").mkdir(exist_ok=True)
@@ -396,6 +370,7 @@ def _node(host, master, rank: int, port: int, tmp: Path, secret_args: list[str],
     return host.popen(args, env=base, stderr=subprocess.PIPE)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_node_with_another_secret_is_refused_and_the_job_goes_on(tmp_path):
     """Node 0 gets its secret from TOWERS_SECRET; two launchers claim node 1 with --secret-file:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same_parameters
 
 import towers
 from towers.tools.cli import main
@@ -46,12 +45,15 @@ def test_the_simulated_link_delays_each_sum_by_its_bytes_and_changes_no_number()
     plain = towers.train(_wide(), _mse, data, **kw)
     rate = 40e6
     slow = towers.train(_wide(), _mse, data, transform=OverLink(allreduce(), rate), **kw)
-    assert_same_parameters(slow.model, plain.model, rtol=0, atol=0)
+    assert slow.losses == plain.losses
+    for (name, p), q in zip(slow.model.state_dict().items(), plain.model.state_dict().values()):
+        assert torch.equal(p, q), name
     # two workers: each sends the whole gradient (plus the step's few metadata values) a step
     link_seconds = 250_250 * 4 * 8 / rate
     assert slow.seconds >= 3 * link_seconds, (slow.seconds, link_seconds)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_compare_link_prints_every_arm_over_a_simulated_link(capsys):
     assert main(["compare", "--link", "10gbit", "--steps", "5"]) == 0

@@ -7,16 +7,8 @@ import math
 
 import pytest
 import torch
-from helpers import (
-    Net,
-    assert_close_lists,
-    assert_same_parameters,
-    dict_mse,
-    make_net,
-    mse,
-    reference_loop,
-    regression_data,
-)
+from exact import Reference
+from helpers import Net, dict_mse, make_net, mse, regression_data
 from torch.utils.data import Dataset
 
 import towers
@@ -35,8 +27,9 @@ def test_sync_matches_single_process_loop(workers, transport):
     # 45 samples in batches of 10: shards of 10 and of the epoch's last batch (5) are uneven for
     # 3 and 4 workers; 12 steps cross an epoch boundary (a new permutation).
     data = regression_data(45)
+    model = make_net()
     result = towers.train(
-        make_net(),
+        model,
         mse,
         data,
         batch_size=10,
@@ -48,9 +41,8 @@ def test_sync_matches_single_process_loop(workers, transport):
         progress=False,
         transport=transport,
     )
-    reference = make_net()
-    losses, tower_losses, skipped = reference_loop(
-        reference,
+    reference = Reference.of(
+        make_net(),
         data,
         batch_size=10,
         steps=12,
@@ -60,18 +52,17 @@ def test_sync_matches_single_process_loop(workers, transport):
         towers=workers,
         shards=result.shards,  # the split the run chose (balanced: each step's own)
     )
-    assert skipped == [] and result.skipped == []
+    assert reference.skipped == [] and result.skipped == []
     assert all(
         sum(s) == n for s, n in zip(result.shards, [10] * 4 + [5] + [10] * 4 + [5] + [10] * 2)
     )
-    assert_close_lists(result.losses, losses)
-    for got, expected in zip(result.tower_losses, tower_losses, strict=True):
-        assert_close_lists(got, expected)
-    assert_same_parameters(result.model, reference)
+    reference.check_losses(result.losses)
+    reference.check_tower_losses(result.tower_losses)
+    reference.check(result.model)
     assert (result.steps, result.samples, result.workers, result.mode) == (12, 110, workers, "sync")
     assert result.staleness == [] and result.seconds > 0
     # the caller's model is left as it was
-    assert_same_parameters(make_net(), make_net())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), make_net().parameters()))
 
 
 class PairDataset(Dataset):
@@ -89,8 +80,7 @@ class PairDataset(Dataset):
 def test_dataset_dict_data_and_accumulation_match_reference():
     x, y = regression_data(30)
     adam = functools.partial(torch.optim.Adam, lr=0.01)
-    ref = make_net()
-    losses, _, _ = reference_loop(ref, (x, y), batch_size=8, steps=6, optimizer=adam, seed=3)
+    ref = Reference.of(make_net(), (x, y), batch_size=8, steps=6, optimizer=adam, seed=3)
 
     # a map-style Dataset, gradient accumulation over 2 micro-batches per tower
     r1 = towers.train(
@@ -117,13 +107,12 @@ def test_dataset_dict_data_and_accumulation_match_reference():
         seed=3,
         progress=False,
     )
-    assert_close_lists(r1.losses, losses)
-    assert_same_parameters(r1.model, ref)
-    ref8 = make_net()
-    losses8, _, _ = reference_loop(ref8, (x, y), batch_size=8, steps=8, optimizer=adam, seed=3)
+    ref.check_losses(r1.losses)
+    ref.check(r1.model)
+    ref8 = Reference.of(make_net(), (x, y), batch_size=8, steps=8, optimizer=adam, seed=3)
     assert r2.steps == 8
-    assert_close_lists(r2.losses, losses8)
-    assert_same_parameters(r2.model, ref8)
+    ref8.check_losses(r2.losses)
+    ref8.check(r2.model)
 
 
 def nan_at_sample_7(model, shard):
@@ -149,13 +138,12 @@ def test_nan_in_one_sample_skips_the_step_on_every_tower(transport):
             progress=False,
             transport=transport,
         )
-    reference = make_net()
-    losses, _, skipped = reference_loop(
-        reference, (x, y), batch_size=batch, steps=8, optimizer=SGD_MOMENTUM, seed=5
+    reference = Reference.of(
+        make_net(), (x, y), batch_size=batch, steps=8, optimizer=SGD_MOMENTUM, seed=5
     )
     # sample 7 is in one batch per epoch: two epochs of 4 batches, so two skipped steps
-    assert len(skipped) == 2
-    assert [s for s, _ in result.skipped] == skipped
+    assert len(reference.skipped) == 2
+    assert [s for s, _ in result.skipped] == reference.skipped
     # the culprit is the tower whose shard holds sample 7
     order = torch.utils.data.DataLoader(
         range(40), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(5)
@@ -166,9 +154,9 @@ def test_nan_in_one_sample_skips_the_step_on_every_tower(transport):
         assert culprits == [i for i, s in enumerate(shards) if 7 in s.tolist()]
         assert math.isnan(result.losses[step])
         assert sum(math.isnan(v) for v in result.tower_losses[step]) == 1
-    assert_close_lists(result.losses, losses)
+    reference.check_losses(result.losses)
     assert all(torch.isfinite(p).all() for p in result.model.parameters())
-    assert_same_parameters(result.model, reference)
+    reference.check(result.model)
 
 
 @pytest.mark.timeout(60)
@@ -179,11 +167,10 @@ def test_fewer_samples_than_workers_in_a_batch():
     result = towers.train(
         make_net(), mse, (x, y), batch_size=3, steps=5, workers=4, optimizer=sgd, progress=False
     )
-    reference = make_net()
-    losses, _, _ = reference_loop(reference, (x, y), batch_size=3, steps=5, optimizer=sgd)
-    assert_close_lists(result.losses, losses)
+    reference = Reference.of(make_net(), (x, y), batch_size=3, steps=5, optimizer=sgd)
+    reference.check_losses(result.losses)
     assert all(math.isnan(t[3]) for t in result.tower_losses)
-    assert_same_parameters(result.model, reference)
+    reference.check(result.model)
 
 
 class Unused(Net):

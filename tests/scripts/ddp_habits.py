@@ -1,7 +1,8 @@
 """A DDP script's loop with only its setup changed: ``loss.backward()``, ``clip_grad_norm_``,
 ``optimizer.step()``, ``zero_grad()``, micro-batches under ``no_sync``; saves rank 0's
-parameters. With ``--rank0-eval`` rank 0 also draws from the global RNG (nanoGPT's
-``estimate_loss`` under ``if master_process``), which the next step must refuse.
+parameters (its state dict). With ``--rank0-eval`` the script then trains the same steps once
+more, where rank 0 also draws from the global RNG (nanoGPT's ``estimate_loss`` under
+``if master_process``), which the next step must refuse: the job fails, after the save.
 
     towers run tests/scripts/ddp_habits.py -n 2 -- OUT [--rank0-eval]
     torchrun --nproc-per-node 2 tests/scripts/ddp_habits.py OUT [--rank0-eval]
@@ -27,12 +28,8 @@ def get_batch():
     return x, x.sum(1, keepdim=True).sin()
 
 
-def main(out: str, rank0_eval: bool) -> None:
-    torch.set_num_threads(1)
-    ctx = towers.init(timeout=30)
+def train(ctx, model, opt, rank0_eval: bool) -> None:
     torch.manual_seed(1337)  # the same seed on every rank: the same global batches
-    model = ctx.replicate(build(), balance=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
         if rank0_eval and step == 2 and ctx.is_main:
             torch.randn(BATCH, 4)  # an evaluation on rank 0 only, from the global RNG
@@ -47,8 +44,18 @@ def main(out: str, rank0_eval: bool) -> None:
                 loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+
+
+def main(out: str, rank0_eval: bool) -> None:
+    torch.set_num_threads(1)
+    ctx = towers.init(timeout=30)
+    model = ctx.replicate(build(), balance=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(ctx, model, opt, rank0_eval=False)
     if ctx.is_main:
-        torch.save([p.detach() for p in model.parameters()], out)
+        torch.save({k: v.detach() for k, v in model.state_dict().items()}, out)
+    if rank0_eval:
+        train(ctx, model, opt, rank0_eval=True)  # raises at step 3, on every rank
     ctx.close()
 
 
