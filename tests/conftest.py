@@ -1,8 +1,9 @@
 """Shared test fixtures: every test must leave no process behind; how the suite is run.
 
-The suite runs in two processes (pytest-xdist, ``-n auto`` below, at most 2 on any machine):
-most tests wait on processes of their own, which leave a core idle. Tests marked ``slow``
-go first, so that no long test starts last while the other process has nothing left to do.
+The suite runs in three processes (pytest-xdist, ``-n auto`` below, one on a 1-core machine):
+most tests wait on processes of their own, which leave a core idle. Each process starts on
+its share of the tests marked ``slow``, so that no long test starts last while the others
+have nothing left to do.
 """
 
 from __future__ import annotations
@@ -60,17 +61,27 @@ def leftover_processes(grace: float = 5.0) -> set[int]:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: two test processes where there are two cores (one where there is one).
+    """``-n auto``: three test processes where there are two cores or more (one on one core).
 
-    Every test that starts a job starts 2-4 processes of its own; more test processes than
-    two would only make the machine busier than the timing tests allow (docs/testing.md).
+    Most tests spend much of their time waiting (on a timeout, a stopped host, a job's
+    start-up); a third test process fills that time, and keeps each test beside two others,
+    the load every timing test is written to pass beside (docs/testing.md). More would only
+    make every job start slower.
     """
-    return max(1, min(2, os.cpu_count() or 1))
+    return 3 if (os.cpu_count() or 1) >= 2 else 1
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The ``slow`` tests first, each file's in their order (see the module doc)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Each test process's share of the ``slow`` tests first (see the module doc).
+
+    ``--dist worksteal`` gives each process a contiguous part of this order and lets an idle
+    process take the end of another's: each part starts with every n-th slow test, so every
+    process starts on the long tests and the ends, which others may take, are short ones.
+    """
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    fast = [item for item in items if not item.get_closest_marker("slow")]
+    items[:] = [item for w in range(workers) for item in slow[w::workers] + fast[w::workers]]
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ from towers.tools.startup import first_jobs, measure, table
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_quick_bench_writes_json_table_and_chart(tmp_path, capsys):
     assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "bench.json").read_text())

@@ -167,20 +167,3 @@ def test_towers_run_shows_only_the_ranks_asked_for(tmp_path):
     assert "[rank1]: rank 1 cannot go on" in failed.stderr
     wrong = towers_run(tmp_path, "-n", "2", "--show-ranks", "2")
     assert wrong.returncode == 2 and "--show-ranks takes ranks in 0..1" in wrong.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_demo_explains_its_columns_rows_and_shorter_runs(tmp_path):
-    cmd = [sys.executable, "-m", "towers", "demo", "-n", "2", "--steps", "60"]
-    cmd += ["--async-steps", "20", "--speed-steps", "0", "--out", str(tmp_path / "c.png")]
-    env = {**os.environ, "PYTHONPATH": SRC}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=140).stdout
-    header = next(line for line in out.splitlines() if line.startswith("mode"))
-    assert header.count("max") == header.count("stale max") == 1  # no bare "max" column
-    for column in ("final loss", "steps", "updates", "seconds", "stale avg", "sync, same step"):
-        assert column in header and f"\n  {column}" in out, column
-    for row in ("sync", "async", "ssp:2", "local:4", "backup:1", "diloco:4"):
-        assert f"\n  {row} " in out, row  # each row's meaning
-    assert "The sync rows train 60 steps (--steps), the others 20 (--async-steps)" in out
-    assert "ran 20 steps, sync 60; after 20 steps sync was at" in " ".join(out.split())

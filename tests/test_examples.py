@@ -64,7 +64,7 @@ def free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_parabola_four_towers_match_one(tmp_path: Path) -> None:
-    out = run_example("parabola.py", cwd=tmp_path)
+    out = run_example("parabola.py", "--steps", "400", cwd=tmp_path)  # the match, not the fit
     assert "OK: 4 workers match 1 worker" in out
 
 
@@ -80,14 +80,8 @@ def test_quadratic_finds_5x2_plus_3(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_digits_cnn_reaches_95_percent(tmp_path: Path) -> None:
-    out = run_example("digits_cnn.py", cwd=tmp_path)
+    out = run_example("digits_cnn.py", "--workers", "2", cwd=tmp_path)  # as many as cores
     assert "OK: test accuracy" in out
-
-
-@pytest.mark.timeout(60)
-def test_own_loop_single_process(tmp_path: Path) -> None:
-    out = run_example("own_loop.py", cwd=tmp_path)
-    assert "OK: 1 tower(s) match the plain loop" in out
 
 
 @pytest.mark.slow
@@ -100,6 +94,7 @@ def test_own_loop_under_towers_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_own_loop_under_torchrun(tmp_path: Path) -> None:
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
     launcher += ["--master-port", str(free_port())]
@@ -178,6 +173,7 @@ def test_digits_cnn_trains_on_cifar_batches(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_ddp_tutorial_port_under_towers_run_equals_one_process(tmp_path: Path) -> None:
     args = ["-m", "towers", "run", str(EXAMPLES / "ddp_tutorial.py"), "-n", "2", "--"]
     result = run([sys.executable, *args, "--epochs", "2"], tmp_path, timeout=50)
@@ -201,10 +197,11 @@ def test_mnist_style_port_and_the_plain_script_test_every_epoch(tmp_path: Path) 
 @pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_char_gpt_under_towers_run_equals_one_process(tmp_path: Path) -> None:
-    args = ["-m", "towers", "run", str(EXAMPLES / "char_gpt.py"), "-n", "2"]
+    args = ["-m", "towers", "run", str(EXAMPLES / "char_gpt.py"), "-n", "2", "--"]
+    args += ["--max-iters", "16", "--eval-interval", "8", "--lr-decay-iters", "16"]
     result = run([sys.executable, *args], tmp_path, timeout=90)
     assert result.returncode == 0, result.stdout
-    assert "[rank0]: OK: 41 steps on 2 ranks x 2 micro-steps equal one process" in result.stdout
+    assert "[rank0]: OK: 17 steps on 2 ranks x 2 micro-steps equal one process" in result.stdout
     losses = [float(line.split("val loss ")[1]) for line in result.stdout.splitlines()
               if "step " in line and ": train loss" in line]  # fmt: skip
     assert len(losses) == 6 and losses[2] < losses[0]  # it learns; the check's run repeats them
@@ -216,9 +213,10 @@ def test_char_gpt_under_towers_run_equals_one_process(tmp_path: Path) -> None:
 def test_char_gpt_on_four_ranks_under_torchrun_and_its_check_can_fail(tmp_path: Path) -> None:
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "4"]
     launcher += ["--master-port", str(free_port()), str(EXAMPLES / "char_gpt.py")]
-    result = run([sys.executable, *launcher], tmp_path, timeout=90)
+    flags = ["--max-iters", "16", "--eval-interval", "8", "--lr-decay-iters", "16"]
+    result = run([sys.executable, *launcher, *flags], tmp_path, timeout=90)
     assert result.returncode == 0, result.stdout
-    assert "OK: 41 steps on 4 ranks x 2 micro-steps equal one process" in result.stdout
+    assert "OK: 17 steps on 4 ranks x 2 micro-steps equal one process" in result.stdout
     # parameters agree to float tolerance, not bit for bit: a tolerance of 1e-12 must fail
     strict = ["-m", "towers", "run", str(EXAMPLES / "char_gpt.py"), "-n", "2", "--"]
     strict += ["--max-iters", "6", "--eval-interval", "3", "--rtol", "1e-12"]
@@ -244,6 +242,7 @@ def char_gpt_with(tmp_path: Path, old: str, new: str) -> Path:
     ],
     ids=["rank-0-evaluation", "seed-per-rank"],
 )
+@pytest.mark.slow
 def test_char_gpt_with_a_ddp_habit_left_in_stops_naming_it(
     tmp_path: Path, old: str, new: str, cause: str
 ) -> None:

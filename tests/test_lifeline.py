@@ -64,7 +64,10 @@ def _alive(pid: int) -> bool:
 def test_workers_server_and_forkserver_die_with_a_killed_caller(tmp_path, monkeypatch, method):
     # auto: workers forked from the caller; forkserver: as where the caller has used CUDA
     monkeypatch.setenv("TOWERS_START_METHOD", method)
-    for mode, sig in (("sync", signal.SIGKILL), ("async", signal.SIGTERM)):
+    # with a forkserver, the SIGKILL (no chance to clean up) is the case it adds
+    jobs = [("sync", signal.SIGKILL), ("async", signal.SIGTERM)]
+    jobs = jobs[:1] if method == "forkserver" else jobs
+    for mode, sig in jobs:
         directory = tmp_path / f"{mode}-{sig.name}"
         args = [sys.executable, str(SCRIPT), "train", mode, str(directory)]
         proc, children = start(args, directory / "step-*.pt")

@@ -25,8 +25,10 @@ sys.path.insert(0, {tests!r})
 import towers
 from helpers import make_net, mse, regression_data
 if __name__ == "__main__":
-    towers.train(make_net(), mse, regression_data(20), batch_size=5, steps=6, workers=2,
-                 progress={progress}, mode={mode!r}, eval_data=regression_data(7), eval_every=3)
+    for progress in (True, False):  # the bar, then the same training without it
+        print(f"progress={{progress}}:", file=sys.stderr, flush=True)
+        towers.train(make_net(), mse, regression_data(20), batch_size=5, steps=6, workers=2,
+                     progress=progress, mode={mode!r}, eval_data=regression_data(7), eval_every=3)
 """
 
 
@@ -57,11 +59,13 @@ def run_on_terminal(code: str, cwd: Path) -> str:
 @pytest.mark.parametrize("mode", ["sync", "async"])  # async: the server (rank 0) shows it
 def test_progress_bar_on_a_terminal_only(tmp_path, mode):
     tests = str(Path(__file__).parent)
-    shown = run_on_terminal(PROGRESS.format(tests=tests, progress=True, mode=mode), tmp_path)
+    shown, hidden = run_on_terminal(PROGRESS.format(tests=tests, mode=mode), tmp_path).split(
+        "progress=False:"
+    )
+    assert "progress=True:" in shown
     assert f"towers {mode}" in shown and "6/6" in shown
     assert "loss=" in shown and "samples_s=" in shown and "eval_loss=" in shown
-    hidden = run_on_terminal(PROGRESS.format(tests=tests, progress=False, mode=mode), tmp_path)
-    assert "loss=" not in hidden
+    assert "loss=" not in hidden and f"towers {mode}" not in hidden
 
 
 @pytest.mark.timeout(60)
@@ -134,16 +138,16 @@ def test_tensorboard_scalars_of_the_asynchronous_modes(tmp_path, mode):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_demo_prints_a_table_and_writes_the_plot(tmp_path):
+def test_demo_prints_a_table_explains_it_and_writes_the_plot(tmp_path):
     png = tmp_path / "curves.png"
-    cmd = [sys.executable, "-m", "towers", "demo", "--steps", "200", "--async-steps", "50"]
+    cmd = [sys.executable, "-m", "towers", "demo", "--steps", "120", "--async-steps", "40"]
     cmd += ["--speed-steps", "1", "--out", str(png)]
     env = {**os.environ, "PYTHONPATH": SRC}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("sync ")]
     assert [r[1] for r in rows] == ["1", "4"]
-    assert all(r[3] == "200" for r in rows)
+    assert all(r[3] == "120" for r in rows)
     assert abs(float(rows[0][2]) - float(rows[1][2])) <= 1e-5 * float(rows[0][2])
     assert "The parabola is tiny" in out.stdout  # why its towers are slower than one process
     speed = [line for line in out.stdout.splitlines() if line.startswith(("1 process", "towers,"))]
@@ -152,3 +156,12 @@ def test_demo_prints_a_table_and_writes_the_plot(tmp_path):
     assert "Here towers is " in out.stdout or "Here towers was not faster" in out.stdout
     assert f"loss curves: {png}" in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the columns, the rows and the shorter asynchronous runs are explained
+    header = next(line for line in out.stdout.splitlines() if line.startswith("mode"))
+    assert header.count("max") == header.count("stale max") == 1  # no bare "max" column
+    for column in ("final loss", "steps", "updates", "seconds", "stale avg", "sync, same step"):
+        assert column in header and f"\n  {column}" in out.stdout, column
+    for row in ("sync", "async", "ssp:2", "local:4", "backup:1", "diloco:4"):
+        assert f"\n  {row} " in out.stdout, row  # each row's meaning
+    assert "The sync rows train 120 steps (--steps), the others 40 (--async-steps)" in out.stdout
+    assert "ran 40 steps, sync 120; after 40 steps sync was at" in " ".join(out.stdout.split())
