@@ -187,6 +187,7 @@ def compare_link(
 ) -> list[LinkRun]:
     """Train every arm over a simulated link of ``rate``; print and return the table."""
     bits = parse_rate(rate)
+    every = max(1, min(every, steps))  # a run shorter than ``every`` is evaluated at its end
     data, held = _problem()
     print_fn(
         f"towers compare --link {rate}: the 784-1024-1024-10 MLP on the digits upscaled to "
