@@ -105,7 +105,7 @@ def sweep(directory: str = SHM_DIR) -> list[str]:
     used = _in_use(directory)
     removed = []
     for path, ident in stale.items():
-        if ident[1] in used:
+        if ident in used:
             continue
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -113,21 +113,27 @@ def sweep(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-def _in_use(directory: str) -> set[int]:
-    """Inode numbers of the files in ``directory`` that a live process maps or holds open."""
-    used: set[int] = set()
+def _in_use(directory: str) -> set[tuple[int, int]]:
+    """(device, inode) of the files in ``directory`` that a live process maps or holds open.
+
+    The device counts: a process in another mount namespace sees another tmpfs at the same
+    path, whose inode numbers are small integers like this one's.
+    """
+    used: set[tuple[int, int]] = set()
     prefix = directory.rstrip("/") + "/"
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/maps") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[5].startswith(prefix):
-                    used.add(int(fields[4]))
+                    major, minor = (int(part, 16) for part in fields[3].split(":"))
+                    used.add((os.makedev(major, minor), int(fields[4])))
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
-                        used.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+                        st = os.stat(f"/proc/{pid}/fd/{fd}")
+                        used.add((st.st_dev, st.st_ino))
     return used
 
 
