@@ -5,7 +5,7 @@
     python -m tests.repeat -k sync_matches -n 3 --tolerances     # how much of each bound is used
 
 Each run is one pytest process over the selection (``-n 0`` by default: one test at a time,
-as "alone" means; ``--workers 2`` as the README's command runs them), with its own JUnit
+as "alone" means; ``--workers 3`` as the README's command runs them), with its own JUnit
 report; the summary lists every test with its passes, failures and median time, the failures'
 first lines, and the load average. With ``--busy K``, K processes spin on the CPU for the
 whole repetition (``towers.tools.load.busy``). ``--tolerances`` records how much of its
