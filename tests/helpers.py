@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import torch
-from exact import Reference
+from exact import Reference, as_float64
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -129,14 +129,14 @@ def assert_close_lists(got, expected, rtol: float = 1e-5, atol: float = 1e-7):
             assert math.isclose(g, e, rel_tol=rtol, abs_tol=atol), f"step {i}: {g} != {e}"
 
 
-def elastic_loop_reference(steps: int) -> Reference:
+def elastic_loop_reference(steps: int, batchnorm: bool = False) -> Reference:
     """tests/scripts/elastic_loop.py's training in one plain process, in float32 and float64."""
     spec = importlib.util.spec_from_file_location("elastic_loop", SCRIPTS / "elastic_loop.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
 
     def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
-        model = script.build().to(dtype)
+        model = script.build(batchnorm).to(dtype)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         losses = []
         for x, y in script.batches(steps):
@@ -146,6 +146,23 @@ def elastic_loop_reference(steps: int) -> Reference:
             loss.backward()
             opt.step()
         return model, losses
+
+    return Reference.run(loop)
+
+
+def host_script_reference(script) -> Reference:
+    """A two-host script's training (``build_model``, ``global_batches``, ``mse``: SGD with
+    momentum, tests/scripts/two_hosts.py and hier_hosts.py) in one plain process, in float32
+    and float64."""
+
+    def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
+        model = script.build_model().to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for batch in script.global_batches():
+            opt.zero_grad()
+            script.mse(model, as_float64(batch) if dtype == torch.float64 else batch).backward()
+            opt.step()
+        return model, []
 
     return Reference.run(loop)
 

@@ -10,7 +10,6 @@ random amount of progress, then signals a random worker's pid.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import random
 import re
@@ -24,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from exact import FACTOR, Reference, bound
-from helpers import make_net
+from helpers import elastic_loop_reference, make_net
 
 import towers
 from towers.core.data import BatchOrder
@@ -377,27 +376,6 @@ def _demo_gap_bound(steps: int) -> float:
     )
 
 
-def _script_reference(steps: int, batchnorm: bool) -> Reference:
-    """tests/scripts/elastic_loop.py's training in one plain process, in float32 and float64."""
-    spec = importlib.util.spec_from_file_location("elastic_loop", SCRIPTS / "elastic_loop.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-
-    def loop(dtype: torch.dtype) -> tuple[torch.nn.Module, list[float]]:
-        model = script.build(batchnorm).to(dtype)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        losses = []
-        for x, y in script.batches(steps):
-            loss = torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
-            losses.append(loss.item())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return model, losses
-
-    return Reference.run(loop)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_own_loop_under_towers_run_elastic_loses_workers_exactly(tmp_path):
@@ -433,7 +411,7 @@ def test_own_loop_under_towers_run_elastic_loses_workers_exactly(tmp_path):
     said = re.search(r"towers run: workers \[([\d, ]+)\] were lost, 1 replaced", done.stderr)
     assert said and sorted(int(w) for w in said[1].split(",")) == lost, why
 
-    reference = _script_reference(40, batchnorm=True)
+    reference = elastic_loop_reference(40, batchnorm=True)
     faults = f"seed {seed}, faults {saboteur.hit}"
     for rank, final in finals.items():
         assert final["steps"] == 40, why

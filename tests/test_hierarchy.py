@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from exact import Reference, as_float64, states
+from helpers import host_script_reference
 from netns import two_hosts
 
 import towers
@@ -245,18 +246,9 @@ def test_two_hosts_of_two_workers_sum_in_two_levels(tmp_path):
     finally:
         sys.path.remove(str(SCRIPTS))
 
-    def loop(dtype: torch.dtype) -> tuple[torch.nn.Module, list[float]]:
-        model = script.build_model().to(dtype)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        for batch in script.global_batches():
-            opt.zero_grad()
-            script.mse(model, as_float64(batch) if dtype == torch.float64 else batch).backward()
-            opt.step()
-        return model, []
-
     # the own loop in two levels and flat over Gloo sum in different orders: each against the
     # plain loop in float64
-    reference = Reference.run(loop)
+    reference = host_script_reference(script)
     reference.check(got["loop"], "the own loop in two levels")
     reference.check(got["flat_loop"], "the own loop, flat over Gloo")
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from exact import Reference, as_float64
+from exact import Reference
+from helpers import host_script_reference
 from netns import two_hosts
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -56,16 +57,7 @@ def test_two_hosts_train_like_one(tmp_path):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
 
-    def loop(dtype: torch.dtype) -> tuple[torch.nn.Module, list[float]]:
-        model = script.build_model().to(dtype)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        for batch in script.global_batches():
-            opt.zero_grad()
-            script.mse(model, as_float64(batch) if dtype == torch.float64 else batch).backward()
-            opt.step()
-        return model, []
-
-    Reference.run(loop).check(got["loop"], "the own loop")
+    host_script_reference(script).check(got["loop"], "the own loop")
 
     sgd = functools.partial(torch.optim.SGD, lr=0.01)
     reference = Reference.of(
