@@ -48,7 +48,7 @@ from ..comm.rendezvous import choose_interface
 from ..comm.store import get_signed, put_signed
 from ..core.secret import JobSecret, new_secret
 from .elastic_members import Generations, serve_store
-from .elastic_workers import Forked, Starter, Worker, script_starter
+from .elastic_workers import Forked, ScriptStarter, Starter, Worker
 from .env import worker_env
 from .pack import pack
 from .spawn import WorkerError, _context, _worker_main
@@ -385,12 +385,13 @@ def run_script_elastic(
     """
     if not is_loopback(addr):
         choose_interface(addr, "gloo")  # the workers' Gloo listens on addr's interface too
-    start = script_starter(script, args, workers)
+    start = ScriptStarter(script, args, workers)
     hang = min(HANG_SECONDS, timeout)
     try:
         peers = OneHost(workers, max_restarts, addr, timeout, port, secret)
         sup = Supervisor(peers, start, hang, timeout)
     except OSError as exc:  # the port is taken, or addr is not this host's
+        start.close()
         print(f"towers run: {exc}", file=sys.stderr)
         return 1
     try:
@@ -401,6 +402,7 @@ def run_script_elastic(
         return code if code > 0 else 128 - code
     finally:
         sup.stop()
+        start.close()
     if outcome.dead:
         print(
             f"towers run: workers {outcome.dead} were lost, {outcome.replacements} replaced; "

@@ -13,7 +13,7 @@ from ..comm.rendezvous import choose_interface
 from ..comm.store import ForeignJob, get_signed
 from .elastic import HANG_SECONDS, Supervisor
 from .elastic_nodes import NodeDropped, NodeRefused, Nodes
-from .elastic_workers import script_starter
+from .elastic_workers import ScriptStarter
 from .spawn import WorkerError
 
 __all__ = ["run_script_nodes"]
@@ -50,7 +50,7 @@ def run_script_nodes(
     this node (its place, its width, or its workers differ from the job's).
     """
     choose_interface(addr, "gloo")  # the workers inherit GLOO_SOCKET_IFNAME
-    start = script_starter(script, args, nproc)
+    start = ScriptStarter(script, args, nproc)
     where = "this node" if node_rank is None else f"node {node_rank}"
     nodes: Nodes | None = None
     sup: Supervisor | None = None
@@ -94,6 +94,7 @@ def run_script_nodes(
             sup.stop()
         if nodes is not None:
             nodes.stop_beating()
+        start.close()
     if outcome.refused and not sup.finishing and nodes.joiner:  # none of its workers trained
         print(
             f"towers run ({where}): refused: the running job did not let its workers in "

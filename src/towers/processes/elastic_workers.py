@@ -8,18 +8,18 @@ whose exit code is all it says. The supervisor treats both alike through :class:
 from __future__ import annotations
 
 import multiprocessing.connection
+import os
 import pickle
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ..core.launch import ELASTIC
 from .env import cpu_count, describe_exit
-from .lifeline import die_with_parent
 from .spawn import WorkerError, _failure
+from .zygote import Rank, start_script, zygote_for
 
-__all__ = ["Forked", "Script", "Starter", "Worker", "script_starter"]
+__all__ = ["Forked", "Script", "ScriptStarter", "Starter", "Worker"]
 
 
 class Worker(Protocol):
@@ -78,7 +78,7 @@ class Forked:
 class Script:
     """A worker that runs a script (``towers run --elastic``): exit 0 is done, a signal lost."""
 
-    def __init__(self, proc: subprocess.Popen[bytes]):
+    def __init__(self, proc: Rank | subprocess.Popen[bytes]):
         self.proc = proc
         self.pid = proc.pid
 
@@ -102,14 +102,24 @@ class Script:
         self.proc.wait()
 
 
-def script_starter(script: str, args: Sequence[str], local_workers: int) -> Starter:
-    """Start ``python SCRIPT ARGS`` as an elastic worker (a replacement if ``joining``)."""
-    threads = str(max(1, cpu_count() // local_workers))
+class ScriptStarter:
+    """Starts ``python SCRIPT ARGS`` as an elastic worker (a replacement if ``joining``).
 
-    def start(wid: int, joining: bool, env: dict[str, str]) -> Script:
+    The workers, replacements included, are forked from one interpreter that has imported torch
+    (:mod:`.zygote`), so a replacement starts in milliseconds, not seconds; :meth:`close` stops
+    it.
+    """
+
+    def __init__(self, script: str, args: Sequence[str], local_workers: int):
+        self.argv = [script, *args]
+        self.threads = str(max(1, cpu_count() // local_workers))
+        self.zygote = zygote_for({"OMP_NUM_THREADS": self.threads, **os.environ})
+
+    def __call__(self, wid: int, joining: bool, env: dict[str, str]) -> Script:
         env = {**env, ELASTIC: "join" if joining else "1"}  # towers run --elastic
-        env.setdefault("OMP_NUM_THREADS", threads)
-        cmd = [sys.executable, script, *args]
-        return Script(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))
+        env.setdefault("OMP_NUM_THREADS", self.threads)
+        return Script(start_script(self.zygote, self.argv, env))
 
-    return start
+    def close(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()

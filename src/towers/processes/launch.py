@@ -12,8 +12,9 @@ from collections.abc import Collection, Sequence
 from ..comm.net import DEFAULT_ADDR, free_port
 from ..core.secret import new_secret
 from .env import cpu_count, describe_exit, worker_env
-from .lifeline import Terminated, die_with_parent
+from .lifeline import Terminated
 from .output import RankOutput
+from .zygote import Rank, start_script, zygote_for
 
 __all__ = ["run_script"]
 
@@ -35,6 +36,9 @@ def run_script(
 ) -> int:
     """Run ``python SCRIPT ARGS`` as ``workers`` ranks; return 0, or the first failure's code.
 
+    The ranks are forked from one interpreter that has imported torch once for them all
+    (:mod:`towers.processes.zygote`; ``TOWERS_START_METHOD=spawn`` starts fresh ones instead).
+
     When one rank fails the others get ``failure_grace`` seconds, then are terminated. Ranks
     die with ``towers run`` however it dies (``PR_SET_PDEATHSIG``); on Ctrl-C or ``SIGTERM`` it
     stops them and says so in one line. The ranks get the job's ``secret`` (a fresh one by
@@ -47,8 +51,9 @@ def run_script(
     port = free_port(addr) if port is None else port
     secret = new_secret() if secret is None else secret
     threads = str(max(1, cpu_count() // workers))
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Rank | subprocess.Popen[bytes]] = []
     output = RankOutput(workers, show_ranks)
+    zygote = zygote_for({"OMP_NUM_THREADS": threads, **os.environ})
 
     def stop(*_: object) -> None:
         for p in procs:
@@ -71,14 +76,7 @@ def run_script(
                 **worker_env(rank, workers, addr, port, secret=secret),
             }
             env.setdefault("OMP_NUM_THREADS", threads)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, script, *args],
-                    env=env,
-                    preexec_fn=die_with_parent(),
-                    **output.streams(rank),
-                )
-            )
+            procs.append(start_script(zygote, [script, *args], env, **output.streams(rank)))
             output.attach(rank, procs[-1])
         failed_at = None
         code = 0
@@ -104,5 +102,7 @@ def run_script(
         return 143 if what == "SIGTERM" else 130
     finally:
         stop()
+        if zygote is not None:
+            zygote.close()
         output.close()
         signal.signal(signal.SIGTERM, previous)

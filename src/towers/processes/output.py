@@ -47,8 +47,9 @@ class RankOutput:
         (into a pipe it would hold it back in blocks of 8 KiB)."""
         return {"PYTHONUNBUFFERED": "1"} if self.prefixed and rank in self.shown else {}
 
-    def attach(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        """Start copying rank ``rank``'s pipes (if it has any)."""
+    def attach(self, rank: int, proc: Any) -> None:
+        """Start copying rank ``rank``'s pipes (if it has any): ``proc.stdout``, ``proc.stderr``
+        of a ``subprocess.Popen`` or a :class:`~towers.processes.zygote.Rank`."""
         for pipe, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             if pipe is not None:
                 args = (rank, pipe, out)

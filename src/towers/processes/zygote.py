@@ -1,0 +1,351 @@
+"""Script ranks forked from one interpreter that has already imported torch.
+
+``towers run`` starts ``python SCRIPT`` once per rank. A fresh interpreter spends about 4.5 s of
+CPU before the script's first step: 2.5 s importing torch and 2 s importing ``torch._dynamo``,
+which building the first optimizer does. Every rank pays it, side by side, so on a 2-core
+machine 4 ranks take two rounds of it; a replacement worker of an elastic job pays it while
+the job waits for it. A zygote (the name Android gives its process that forks every app) pays it
+once: ``towers run`` starts it first, it imports torch, ``torch._dynamo`` and towers, freezes
+what it loaded out of garbage collection, and forks each rank on request. A rank then starts in
+a few milliseconds and shares the imported pages with its siblings.
+
+A forked rank is made to look as ``python SCRIPT ARGS`` would: its own environment, working
+directory, standard output and error (received as file descriptors), ``sys.argv``,
+``sys.path[0]`` (the script's directory), a fresh ``__main__`` module, torch's thread count
+from ``OMP_NUM_THREADS`` (read at the zygote's import of torch, so set again), numpy's global
+generator reseeded (Python's ``random`` reseeds itself after a fork), the default signal
+handlers, and a traceback that starts in the script. It exits as the interpreter would, waiting
+for its non-daemon threads and running its ``atexit`` functions.
+
+The zygote dies with its caller (``PR_SET_PDEATHSIG``, and the end of its socket), and each rank
+with the zygote, so no rank outlives ``towers run``. The zygote reaps the ranks and reports their
+exit codes; it also signals them on request, so a signal never reaches a reused process id.
+Requests travel over a socket pair only the caller holds, as JSON (nothing is unpickled).
+
+``TOWERS_START_METHOD=spawn`` starts every rank as a fresh interpreter instead.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import gc
+import io
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import types
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+from .lifeline import die_with_parent
+from .start import START_ENV
+
+__all__ = ["PRELOAD", "Rank", "Zygote", "main", "start_script", "zygote_for"]
+
+PRELOAD = ("torch", "torch._dynamo", "towers")
+_LIMIT = 1 << 20  # bytes of one request (argv and environment)
+_KILLED = -signal.SIGKILL
+
+
+class Rank:
+    """A script forked by a :class:`Zygote`, watched like a ``subprocess.Popen``."""
+
+    def __init__(self, zygote: Zygote, pid: int, streams: dict[str, IO[bytes] | None]):
+        self.zygote, self.pid = zygote, pid
+        self.stdout, self.stderr = streams["stdout"], streams["stderr"]
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        self.returncode = self.zygote._code(self.pid, 0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self.zygote._code(self.pid, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
+        self.returncode = code
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            self.zygote._send({"op": "signal", "pid": self.pid, "sig": int(sig)})
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """An interpreter with torch imported that forks ``python SCRIPT ARGS`` ranks on request.
+
+    ``env``: the zygote's own environment (default: this process's); torch reads some of it at
+    import. Start it early: its imports take a few seconds, in which the caller may go on, and
+    :meth:`start` waits for them.
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        code = "from towers.processes.zygote import main; main()"
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code, str(theirs.fileno())],
+                env=None if env is None else dict(env),
+                pass_fds=[theirs.fileno()],
+                preexec_fn=die_with_parent(),
+            )
+        self.sock = ours
+        self.changed = threading.Condition()
+        self.pids: dict[int, int] = {}  # request number -> rank pid
+        self.codes: dict[int, int] = {}  # rank pid -> exit code
+        self.requests = 0
+        self.gone = False  # the zygote has died
+        threading.Thread(target=self._listen, name="towers-zygote", daemon=True).start()
+
+    def start(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        stdout: int | None = None,
+        stderr: int | None = None,
+        timeout: float = 120.0,
+    ) -> Rank:
+        """Fork ``python *argv`` with ``env``; ``stdout``/``stderr`` as ``subprocess.Popen``
+        takes them (``None``: this process's, ``subprocess.PIPE`` or ``subprocess.DEVNULL``)."""
+        sent: list[int] = []
+        ours: dict[str, IO[bytes] | None] = {"stdout": None, "stderr": None}
+        with contextlib.ExitStack() as closing:
+            for name, how in (("stdout", stdout), ("stderr", stderr)):
+                if how == subprocess.PIPE:
+                    read, write = os.pipe()
+                    ours[name] = open(read, "rb")  # noqa: SIM115 (the caller reads and closes it)
+                    sent.append(write)
+                    closing.callback(os.close, write)
+                elif how == subprocess.DEVNULL:
+                    devnull = os.open(os.devnull, os.O_WRONLY)
+                    sent.append(devnull)
+                    closing.callback(os.close, devnull)
+                else:
+                    sent.append(-1)
+            with self.changed:
+                self.requests += 1
+                number = self.requests
+            request = {"op": "start", "id": number, "argv": list(argv), "env": dict(env)}
+            request["cwd"] = os.getcwd()
+            request["fds"] = [fd >= 0 for fd in sent]
+            self._send(request, [fd for fd in sent if fd >= 0])
+        with self.changed:
+            if not self.changed.wait_for(lambda: number in self.pids or self.gone, timeout):
+                raise TimeoutError(f"the zygote started no rank in {timeout:g} s")
+            if number not in self.pids:
+                raise RuntimeError(f"the zygote died ({self._died()}) before it started a rank")
+            pid = self.pids.pop(number)
+        return Rank(self, pid, ours)
+
+    def close(self) -> None:
+        """Stop the zygote; ranks still running are killed with it."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.sock.close()
+
+    def _send(self, request: dict[str, Any], fds: Sequence[int] = ()) -> None:
+        data = json.dumps(request).encode()
+        if len(data) > _LIMIT:
+            size = f"{len(data)} bytes; at most {_LIMIT} fit"
+            raise ValueError(f"a rank's arguments and environment take {size}")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            socket.send_fds(self.sock, [data], list(fds))
+
+    def _code(self, pid: int, timeout: float | None) -> int | None:
+        with self.changed:
+            self.changed.wait_for(lambda: pid in self.codes or self.gone, timeout)
+            return self.codes.get(pid, _KILLED if self.gone else None)
+
+    def _died(self) -> str:
+        code = self.proc.wait()
+        return f"exit code {code}" if code >= 0 else f"signal {-code}"
+
+    def _listen(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(_LIMIT)
+            except OSError:
+                data = b""
+            with self.changed:
+                if not data:
+                    self.gone = True  # its ranks died with it
+                else:
+                    event = json.loads(data)
+                    if "exited" in event:
+                        self.codes[event["exited"]] = event["code"]
+                    else:
+                        self.pids[event["started"]] = event["pid"]
+                self.changed.notify_all()
+            if not data:
+                return
+
+
+def zygote_for(env: Mapping[str, str]) -> Zygote | None:
+    """A zygote for a job whose ranks get ``env``, or ``None`` if ``TOWERS_START_METHOD=spawn``
+    asks for fresh interpreters."""
+    return None if env.get(START_ENV) == "spawn" else Zygote(env)
+
+
+def start_script(
+    zygote: Zygote | None, argv: Sequence[str], env: Mapping[str, str], **streams: Any
+) -> Rank | subprocess.Popen[bytes]:
+    """Start ``python *argv``: forked by ``zygote``, or a fresh interpreter if it is ``None``."""
+    if zygote is None:
+        cmd = [sys.executable, *argv]
+        return subprocess.Popen(cmd, env=dict(env), preexec_fn=die_with_parent(), **streams)
+    return zygote.start(argv, env, **streams)
+
+
+class _Job:
+    def __init__(self, request: dict[str, Any]):
+        self.argv: list[str] = request["argv"]
+        self.env: dict[str, str] = request["env"]
+        self.cwd: str = request["cwd"]
+
+
+def main() -> None:
+    """The zygote: preload, serve requests on the socket named in ``sys.argv[1]``, and in each
+    forked child run its script."""
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the ranks; they decide
+    for name in PRELOAD:
+        __import__(name)
+    gc.freeze()  # what every rank inherits is never walked by its garbage collector
+    job = _serve(sock)
+    if job is not None:
+        _run(job)
+
+
+def _serve(sock: socket.socket) -> _Job | None:
+    """Fork a child per request; return its job in the child, ``None`` when the caller is gone."""
+    wake_read, wake_write = os.pipe()
+    for fd in (wake_read, wake_write):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    children: set[int] = set()
+    arm = die_with_parent()  # made here: it compares the child's parent with this process
+    while True:
+        ready: list[Any] = select.select([sock.fileno(), wake_read], [], [])[0]
+        with contextlib.suppress(BlockingIOError):
+            os.read(wake_read, 4096)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            _tell(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        if sock.fileno() not in ready:
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, _LIMIT, 2)
+        if not data:  # the caller is gone: so are its ranks
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            return None
+        request = json.loads(data)
+        if request["op"] == "signal":
+            if request["pid"] in children:
+                os.kill(request["pid"], request["sig"])
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in (wake_read, wake_write):
+                os.close(fd)
+            sock.close()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            arm()
+            streams = iter(fds)
+            for target, given in zip((1, 2), request["fds"], strict=True):
+                if given:
+                    fd = next(streams)
+                    os.dup2(fd, target)
+                    os.close(fd)
+            return _Job(request)
+        children.add(pid)
+        for fd in fds:
+            os.close(fd)
+        _tell(sock, {"started": request["id"], "pid": pid})
+
+
+def _tell(sock: socket.socket, event: dict[str, int]) -> None:
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        sock.send(json.dumps(event).encode())
+
+
+def _run(job: _Job) -> None:
+    """Become ``python SCRIPT ARGS``: its environment, stdio, ``sys`` state and ``__main__``."""
+    os.chdir(job.cwd)
+    os.environ.clear()
+    os.environ.update(job.env)
+    _reopen_stdio(unbuffered=bool(job.env.get("PYTHONUNBUFFERED")))
+    threads = job.env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()  # from fresh entropy, as a new interpreter's
+    script = job.argv[0]
+    sys.argv = list(job.argv)
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    module = types.ModuleType("__main__")
+    module.__file__ = script
+    module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = module
+    with io.open_code(script) as f:
+        code = compile(f.read(), script, "exec", dont_inherit=True)
+    sys.excepthook = _from_script(script)
+    exec(code, module.__dict__)
+
+
+def _reopen_stdio(unbuffered: bool) -> None:
+    """Standard output and error on their new descriptors, buffered as a new interpreter's."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "wb", closefd=False)
+        buffer: Any = raw if unbuffered else io.BufferedWriter(raw)
+        stream = io.TextIOWrapper(
+            buffer,
+            encoding=old.encoding,
+            errors=old.errors,
+            line_buffering=not unbuffered and (name == "stderr" or os.isatty(fd)),
+            write_through=unbuffered,
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _from_script(script: str) -> Any:
+    """An excepthook whose tracebacks start at the script, as ``python SCRIPT``'s do."""
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: types.TracebackType | None) -> None:
+        start = tb
+        while start is not None and start.tb_frame.f_code.co_filename != script:
+            start = start.tb_next
+        if start is not None:
+            exc.__traceback__ = start  # the default hook prints the exception's own
+        sys.__excepthook__(kind, exc, start or tb)
+
+    return hook
