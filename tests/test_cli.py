@@ -129,11 +129,13 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def towers_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def towers_run(tmp_path: Path, *args: str, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """``towers run`` of a script that needs no torch; ``fresh``: its ranks are new interpreters,
+    not forked from a zygote that imports torch for them (the same output, less CPU)."""
     script = tmp_path / "hello.py"
     script.write_text(SCRIPT)
     cmd = [sys.executable, "-m", "towers", "run", str(script), *args]
-    env = {**os.environ, "PYTHONPATH": SRC}
+    env = {**os.environ, "PYTHONPATH": SRC, **({"TOWERS_START_METHOD": "spawn"} if fresh else {})}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
 
 
@@ -147,23 +149,23 @@ def test_towers_run_prefixes_every_line_with_its_rank(tmp_path):
         assert f"[rank{rank}]: warning on {rank}\n" in done.stderr
         assert f"\n[rank{rank}]: named already, as PyTorch" in done.stderr  # not twice
     assert all(line.startswith(("[rank0]: ", "[rank1]: ")) for line in done.stdout.splitlines())
-    alone = towers_run(tmp_path, "-n", "1")  # one rank: its output as it is
+    alone = towers_run(tmp_path, "-n", "1", fresh=True)  # one rank: its output as it is
     assert alone.stdout == "hello from 0 of 1, args []\nno newline at the end"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_towers_run_shows_only_the_ranks_asked_for(tmp_path):
-    done = towers_run(tmp_path, "-n", "3", "--show-ranks", "0")
+    done = towers_run(tmp_path, "-n", "3", "--show-ranks", "0", fresh=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "hello from 0 of 3, args []\nno newline at the end"
     assert "warning on 0" in done.stderr and "on 1" not in done.stderr
-    two = towers_run(tmp_path, "-n", "3", "--show-ranks", "0,2")
+    two = towers_run(tmp_path, "-n", "3", "--show-ranks", "0,2", fresh=True)
     assert "[rank2]: hello from 2 of 3" in two.stdout and "from 1" not in two.stdout
-    # a hidden rank that fails still tells why
+    # a hidden rank that fails still tells why (forked, as by default)
     failed = towers_run(tmp_path, "-n", "2", "--show-ranks", "0", "--", "--fail")
     assert failed.returncode == 3
     assert "towers run: rank 1 failed with exit code 3\n" in failed.stderr
     assert "[rank1]: rank 1 cannot go on" in failed.stderr
-    wrong = towers_run(tmp_path, "-n", "2", "--show-ranks", "2")
+    wrong = towers_run(tmp_path, "-n", "2", "--show-ranks", "2", fresh=True)
     assert wrong.returncode == 2 and "--show-ranks takes ranks in 0..1" in wrong.stderr

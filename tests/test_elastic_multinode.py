@@ -119,7 +119,7 @@ def _family(pid: int) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_host_stopped_on_a_busy_machine_for_less_than_the_node_timeout_stays(tmp_path):
-    """Beside 4 spinning processes, host 1 (its towers run and its worker) is stopped with
+    """Beside 2 spinning processes, host 1 (its towers run and its worker) is stopped with
     SIGSTOP for 6 s, longer than the 5 s after which node 0 used to drop a silent host, and
     2.5x shorter than the default node timeout (15 s, a quarter of the default --timeout):
     nobody is dropped, and both finish with a plain loop's parameters.
@@ -143,7 +143,7 @@ def test_a_host_stopped_on_a_busy_machine_for_less_than_the_node_timeout_stays(t
                 assert time.monotonic() < deadline, "the job made no progress"
                 assert all(n.poll() is None for n in nodes), [n.communicate() for n in nodes]
                 time.sleep(0.05)
-            with busy(4):  # once the job runs: its start-up is not what this is about
+            with busy(2):  # once the job runs: its start-up is not what this is about
                 time.sleep(1)
                 family = _family(nodes[1].pid)  # launcher first: it must not see its worker stop
                 for pid in family:

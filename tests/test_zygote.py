@@ -82,12 +82,15 @@ def _env(rank: int, cwd: Path) -> dict[str, str]:
     }
 
 
-@pytest.fixture
-def zygote(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def _zygote(tmp_path: Path) -> Zygote:
     env = _env(0, tmp_path)
     env.pop("PYTHONUNBUFFERED", None)  # buffering is each rank's own
-    zygote = Zygote(env)
+    return Zygote(env)
+
+
+@pytest.fixture
+def zygote(tmp_path):
+    zygote = _zygote(tmp_path)  # per test: no process outlives its test (conftest checks)
     yield zygote
     zygote.close()
     assert zygote.proc.returncode is not None
@@ -153,9 +156,8 @@ def test_a_forked_rank_ends_as_python_script_would(zygote, tmp_path, how, code, 
 
 
 @pytest.mark.timeout(60)
-def test_a_signal_reaches_only_a_running_rank_and_the_zygote_takes_its_ranks_along(
-    zygote, tmp_path
-):
+def test_a_signal_reaches_only_a_running_rank_and_the_zygote_takes_its_ranks_along(tmp_path):
+    zygote = _zygote(tmp_path)
     script = tmp_path / "endings.py"
     script.write_text(ENDINGS)
     env = _env(0, tmp_path)
