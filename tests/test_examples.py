@@ -93,16 +93,6 @@ def test_own_loop_under_towers_run(tmp_path: Path) -> None:
     assert "OK: 2 tower(s) match the plain loop" in result.stdout
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.slow
-def test_own_loop_under_torchrun(tmp_path: Path) -> None:
-    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    launcher += ["--master-port", str(free_port())]
-    result = run([sys.executable, *launcher, str(EXAMPLES / "own_loop.py")], tmp_path, timeout=50)
-    assert result.returncode == 0, result.stdout
-    assert "OK: 2 tower(s) match the plain loop" in result.stdout
-
-
 # --- the CIFAR-10 binary reader ---------------------------------------------------------------
 
 

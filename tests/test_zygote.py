@@ -134,25 +134,24 @@ def test_a_forked_rank_sees_itself_as_python_script_would(zygote, tmp_path):
     assert seen[0] != seen[1], "two ranks drew the same numbers from numpy's global generator"
 
 
+ENDS = [  # how, exit code, standard output
+    ("thread", 0, "thread done\natexit ran\n"),
+    ("exit", 3, "atexit ran\n"),
+    ("raise", 1, "atexit ran\n"),
+]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("how", "code", "out"),
-    [
-        ("thread", 0, "thread done\natexit ran\n"),
-        ("exit", 3, "atexit ran\n"),
-        ("raise", 1, "atexit ran\n"),
-    ],
-)
-def test_a_forked_rank_ends_as_python_script_would(zygote, tmp_path, how, code, out):
+def test_a_forked_rank_ends_as_python_script_would(zygote, tmp_path):
     script = tmp_path / "endings.py"
     script.write_text(ENDINGS)
-    fresh = _fresh([str(script), how], _env(0, tmp_path))
-    forked = _forked(zygote, [str(script), how], _env(0, tmp_path))
-    assert fresh[:2] == (code, out), fresh
-    assert forked == fresh  # the traceback too: it starts in the script, not in the zygote
-    if how == "raise":
-        assert forked[2].startswith(f'Traceback (most recent call last):\n  File "{script}"')
-        assert forked[2].endswith("ValueError: what the script raised\n")
+    for how, code, out in ENDS:
+        fresh = _fresh([str(script), how], _env(0, tmp_path))
+        forked = _forked(zygote, [str(script), how], _env(0, tmp_path))
+        assert fresh[:2] == (code, out), fresh
+        assert forked == fresh  # the traceback too: it starts in the script, not in the zygote
+    assert forked[2].startswith(f'Traceback (most recent call last):\n  File "{script}"')
+    assert forked[2].endswith("ValueError: what the script raised\n")
 
 
 @pytest.mark.timeout(60)
