@@ -225,17 +225,20 @@ def main() -> None:
     """The zygote: preload, serve requests on the socket named in ``sys.argv[1]``, and in each
     forked child run its script."""
     sock = socket.socket(fileno=int(sys.argv[1]))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the ranks; they decide
+    # Python's own handler, or SIG_IGN where the caller started it with SIGINT ignored (a
+    # background job of a shell): a fresh interpreter keeps the latter, and so does each rank
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the ranks' to handle
     for name in PRELOAD:
         __import__(name)
     gc.freeze()  # what every rank inherits is never walked by its garbage collector
-    job = _serve(sock)
+    job = _serve(sock, interrupt)
     if job is not None:
         _run(job)
 
 
-def _serve(sock: socket.socket) -> _Job | None:
-    """Fork a child per request; return its job in the child, ``None`` when the caller is gone."""
+def _serve(sock: socket.socket, interrupt: Any) -> _Job | None:
+    """Fork a child per request; return its job in the child, ``None`` when the caller is gone.
+    ``interrupt``: the child's ``SIGINT`` handler."""
     wake_read, wake_write = os.pipe()
     for fd in (wake_read, wake_write):
         os.set_blocking(fd, False)
@@ -274,7 +277,7 @@ def _serve(sock: socket.socket) -> _Job | None:
             for fd in (wake_read, wake_write):
                 os.close(fd)
             sock.close()
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, interrupt)
             arm()
             streams = iter(fds)
             for target, given in zip((1, 2), request["fds"], strict=True):
