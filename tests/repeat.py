@@ -3,6 +3,7 @@
     python -m tests.repeat -k partitions -n 20              # each selected test, 20 runs
     python -m tests.repeat tests/test_elastic.py -n 5 --busy 2   # beside 2 spinning processes
     python -m tests.repeat -k sync_matches -n 3 --tolerances     # how much of each bound is used
+    python -m tests.repeat tests/test_balance.py -n 20 --workers 2 --keep /tmp/failed
 
 Each run is one pytest process over the selection (``-n 0`` by default: one test at a time,
 as "alone" means; ``--workers 3`` as the README's command runs them), with its own JUnit
@@ -11,7 +12,9 @@ first lines, and the load average. With ``--busy K``, K processes spin on the CP
 whole repetition (``towers.tools.load.busy``). ``--tolerances`` records how much of its
 float64-derived bound every check used (tests/exact.py: a value's distance from the float64
 loop over the float32 loop's, which the bound allows up to ``FACTOR``) and prints the
-largest per test. The exit code is 0 only if every test passed in every run.
+largest per test. ``--keep DIR`` copies the report of every run with a failure into DIR: it
+holds each test's captured output, so what a worker printed before it died (a C++ abort's
+message) is there. The exit code is 0 only if every test passed in every run.
 docs/testing.md records the rates measured with it.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", type=int, default=0, help="spinning processes beside the runs")
     parser.add_argument("--workers", default="0", help="pytest-xdist processes (default 0)")
     parser.add_argument("--tolerances", action="store_true", help="report the bounds' use")
+    parser.add_argument(
+        "--keep", type=Path, help="copy the JUnit report of a run that failed here (with every "
+        "test's captured output: what a worker printed before it died)"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
@@ -81,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(args.runs):
             report = Path(tmp) / f"run-{run}.xml"
             command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n"]
-            command += [args.workers, f"--junitxml={report}", *selection]
+            command += [args.workers, f"--junitxml={report}", "-o", "junit_logging=all"]
+            command += selection
             began = time.monotonic()
             done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
             walls.append(time.monotonic() - began)
@@ -94,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             failed = sum(o[0] in ("failed", "error") for o in _outcomes(report).values())
             print(f"run {run + 1}/{args.runs}: {walls[-1]:.0f} s, {failed} failed, "
                   f"load {loads[-1]:.1f}", flush=True)  # fmt: skip
+            if failed and args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                print(f"  its report: {shutil.copy(report, args.keep / report.name)}", flush=True)
         used = _bounds_used(log) if args.tolerances else {}
     return _summary(results, walls, loads, args, used)
 
