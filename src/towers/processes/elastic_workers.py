@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from ..core.launch import ELASTIC
 from .env import cpu_count, describe_exit
 from .spawn import WorkerError, _failure
-from .zygote import Rank, start_script, zygote_for
+from .zygote import Rank, Zygote, start_script, zygote_for
 
 __all__ = ["Forked", "Script", "ScriptStarter", "Starter", "Worker"]
 
@@ -106,16 +106,20 @@ class ScriptStarter:
     """Starts ``python SCRIPT ARGS`` as an elastic worker (a replacement if ``joining``).
 
     The workers, replacements included, are forked from one interpreter that has imported torch
-    (:mod:`.zygote`), so a replacement starts in milliseconds, not seconds; :meth:`close` stops
-    it.
+    (:mod:`.zygote`), so a replacement starts in milliseconds, not seconds. The zygote starts
+    with the first worker (a node that the job refuses starts none); :meth:`close` stops it.
     """
 
     def __init__(self, script: str, args: Sequence[str], local_workers: int):
         self.argv = [script, *args]
         self.threads = str(max(1, cpu_count() // local_workers))
-        self.zygote = zygote_for({"OMP_NUM_THREADS": self.threads, **os.environ})
+        self.zygote: Zygote | None = None
+        self.started = False
 
     def __call__(self, wid: int, joining: bool, env: dict[str, str]) -> Script:
+        if not self.started:
+            self.zygote = zygote_for({"OMP_NUM_THREADS": self.threads, **os.environ})
+            self.started = True
         env = {**env, ELASTIC: "join" if joining else "1"}  # towers run --elastic
         env.setdefault("OMP_NUM_THREADS", self.threads)
         return Script(start_script(self.zygote, self.argv, env))
