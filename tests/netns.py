@@ -1,7 +1,7 @@
 """Two hosts on one machine: network namespaces joined by a veth pair, for multi-node tests.
 
-``two_hosts()`` makes namespaces ``towers-<id>-0`` and ``-1`` with addresses 10.77.X.1/24 and
-10.77.X.2/24 on the two ends of a veth pair (and loopback up in each), yields the namespaces and
+``two_hosts()`` makes namespaces ``towers-<pid>-<id>-0`` and ``-1`` with addresses 10.77.X.1/24
+and 10.77.X.2/24 on the two ends of a veth pair (and loopback up in each), yields the namespaces and
 addresses, and removes everything afterwards. Nothing can leave the machine: the pair connects
 only the two namespaces. Each namespace sees the host name resolve to 127.0.0.1, as on many real
 machines. Tests that use it are skipped, with the reason, where namespaces cannot be made (not
@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -102,15 +103,17 @@ def unavailable() -> str | None:
 def _namespaces(
     count: int, join: Callable[[str, int, list[str]], list[Host]]
 ) -> Iterator[list[Host]]:
-    """``count`` namespaces ``towers-<tag>-0..``, joined by ``join(tag, subnet, names)``, which
+    """``count`` namespaces ``towers-<pid>-<tag>-0..`` (a test process that dies without removing
+    them leaves them to the next one's sweep), joined by ``join(tag, subnet, names)``, which
     returns their hosts; skipped, with the reason, where they cannot be made; all removed
     afterwards (deleting a namespace deletes the links and bridges in it)."""
     reason = unavailable()
     if reason:
         pytest.skip(reason)
+    _sweep()
     tag = secrets.token_hex(3)
     subnet = int(tag[:2], 16) % 250 + 1
-    names = [f"towers-{tag}-{i}" for i in range(count)]
+    names = [f"towers-{os.getpid()}-{tag}-{i}" for i in range(count)]
     made: list[str] = []
     try:
         for name in names:
@@ -126,6 +129,22 @@ def _namespaces(
     finally:
         for name in names:
             subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def _sweep() -> None:
+    """Delete the namespaces of test processes that died without removing them (killed by a
+    signal, which runs no ``finally``): their names carry the pid that made them."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        found = re.fullmatch(r"towers-(\d+)-[0-9a-f]+-\d+", name)
+        if found is None:
+            continue
+        try:
+            os.kill(int(found[1]), 0)
+        except ProcessLookupError:
+            subprocess.run(["ip", "netns", "del", name], check=False)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 @contextlib.contextmanager
@@ -154,9 +173,9 @@ def two_hosts(own: bool = False, rate: str | None = None) -> Iterator[tuple[Host
 
 @contextlib.contextmanager
 def three_hosts() -> Iterator[tuple[Host, Host, Host]]:
-    """Three hosts on one link: namespaces ``towers-<id>-0..2``, 10.77.X.1..3/24, each joined by
-    a veth pair to a bridge in the first (so that every host reaches every other, as Gloo's
-    full mesh needs), all removed afterwards. A host's ``cut`` takes its own end down (the
+    """Three hosts on one link: namespaces ``towers-<pid>-<id>-0..2``, 10.77.X.1..3/24, each
+    joined by a veth pair to a bridge in the first (so that every host reaches every other, as
+    Gloo's full mesh needs), all removed afterwards. A host's ``cut`` takes its own end down (the
     first host's: its end of the bridge, which cuts it from both others)."""
 
     def bridged(tag: str, subnet: int, names: list[str]) -> list[Host]:
