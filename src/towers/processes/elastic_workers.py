@@ -8,14 +8,13 @@ whose exit code is all it says. The supervisor treats both alike through :class:
 from __future__ import annotations
 
 import multiprocessing.connection
-import os
 import pickle
 import subprocess
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ..core.launch import ELASTIC
-from .env import cpu_count, describe_exit
+from .env import describe_exit, thread_share
 from .spawn import WorkerError, _failure
 from .zygote import Rank, Zygote, start_script, zygote_for
 
@@ -112,13 +111,14 @@ class ScriptStarter:
 
     def __init__(self, script: str, args: Sequence[str], local_workers: int):
         self.argv = [script, *args]
-        self.threads = str(max(1, cpu_count() // local_workers))
+        self.local_workers = local_workers
+        self.threads = str(thread_share(local_workers))
         self.zygote: Zygote | None = None
         self.started = False
 
     def __call__(self, wid: int, joining: bool, env: dict[str, str]) -> Script:
         if not self.started:
-            self.zygote = zygote_for({"OMP_NUM_THREADS": self.threads, **os.environ})
+            self.zygote = zygote_for(self.local_workers)
             self.started = True
         env = {**env, ELASTIC: "join" if joining else "1"}  # towers run --elastic
         env.setdefault("OMP_NUM_THREADS", self.threads)

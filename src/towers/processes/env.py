@@ -111,9 +111,14 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+def thread_share(local_world_size: int) -> int:
+    """Threads for one of the local workers: an equal share of the cores, at least one."""
+    return max(1, cpu_count() // max(1, local_world_size))
+
+
 def set_worker_threads(local_world_size: int) -> None:
     """Give each of the local workers an equal share of the cores (at least one thread)."""
-    torch.set_num_threads(max(1, cpu_count() // max(1, local_world_size)))
+    torch.set_num_threads(thread_share(local_world_size))
 
 
 def set_process_name(name: str) -> None:

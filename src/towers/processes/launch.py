@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 
 from ..comm.net import DEFAULT_ADDR, free_port
 from ..core.secret import new_secret
-from .env import cpu_count, describe_exit, worker_env
+from .env import describe_exit, thread_share, worker_env
 from .lifeline import Terminated
 from .output import RankOutput
 from .zygote import Rank, start_script, zygote_for
@@ -50,10 +50,10 @@ def run_script(
         raise FileNotFoundError(f"no such script: {script}")
     port = free_port(addr) if port is None else port
     secret = new_secret() if secret is None else secret
-    threads = str(max(1, cpu_count() // workers))
+    threads = str(thread_share(workers))
     procs: list[Rank | subprocess.Popen[bytes]] = []
     output = RankOutput(workers, show_ranks)
-    zygote = zygote_for({"OMP_NUM_THREADS": threads, **os.environ})
+    zygote = zygote_for(workers)
 
     def stop(*_: object) -> None:
         for p in procs:

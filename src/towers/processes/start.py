@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["METHODS", "START_ENV", "Starter", "starter"]
+__all__ = ["METHODS", "START_ENV", "Starter", "default_signal_handlers", "starter"]
 
 START_ENV = "TOWERS_START_METHOD"
 METHODS = ("auto", "fork", "forkserver", "spawn")
@@ -156,11 +156,18 @@ def _forked(caller_fds: tuple[int, ...], target: Callable[..., Any], *args: Any)
     for fd in caller_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+    default_signal_handlers()
+    return target(*args)
+
+
+def default_signal_handlers() -> None:
+    """In a forked child: the parent's Python signal handlers and wake-up fd dropped, as a new
+    interpreter starts (``SIGINT``'s is Python's own, ``KeyboardInterrupt``); handlers ignored
+    stay ignored, as across an exec."""
     with contextlib.suppress(ValueError):
         signal.set_wakeup_fd(-1)
-    for sig in signal.valid_signals():  # handlers ignored stay ignored, as across an exec
+    for sig in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError, TypeError):
             if callable(signal.getsignal(sig)):
-                interrupt = sig == signal.SIGINT  # Python's own: KeyboardInterrupt
+                interrupt = sig == signal.SIGINT
                 signal.signal(sig, signal.default_int_handler if interrupt else signal.SIG_DFL)
-    return target(*args)

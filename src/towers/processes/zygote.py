@@ -43,8 +43,9 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from .env import describe_exit, thread_share
 from .lifeline import die_with_parent
-from .start import START_ENV
+from .start import START_ENV, default_signal_handlers
 
 __all__ = ["PRELOAD", "Rank", "Zygote", "main", "start_script", "zygote_for"]
 
@@ -146,7 +147,8 @@ class Zygote:
             if not self.changed.wait_for(lambda: number in self.pids or self.gone, timeout):
                 raise TimeoutError(f"the zygote started no rank in {timeout:g} s")
             if number not in self.pids:
-                raise RuntimeError(f"the zygote died ({self._died()}) before it started a rank")
+                died = describe_exit(self.proc.wait())
+                raise RuntimeError(f"the zygote died ({died}) before it started a rank")
             pid = self.pids.pop(number)
         return Rank(self, pid, ours)
 
@@ -174,10 +176,6 @@ class Zygote:
             self.changed.wait_for(lambda: pid in self.codes or self.gone, timeout)
             return self.codes.get(pid, _KILLED if self.gone else None)
 
-    def _died(self) -> str:
-        code = self.proc.wait()
-        return f"exit code {code}" if code >= 0 else f"signal {-code}"
-
     def _listen(self) -> None:
         while True:
             try:
@@ -198,10 +196,14 @@ class Zygote:
                 return
 
 
-def zygote_for(env: Mapping[str, str]) -> Zygote | None:
-    """A zygote for a job whose ranks get ``env``, or ``None`` if ``TOWERS_START_METHOD=spawn``
-    asks for fresh interpreters."""
-    return None if env.get(START_ENV) == "spawn" else Zygote(env)
+def zygote_for(local_workers: int) -> Zygote | None:
+    """A zygote for ``local_workers`` ranks on this host, or ``None`` where
+    ``TOWERS_START_METHOD=spawn`` asks for fresh interpreters. Its environment is this
+    process's, with each rank's default share of the cores in ``OMP_NUM_THREADS``
+    (:func:`~towers.processes.env.thread_share`), which torch reads at import."""
+    if os.environ.get(START_ENV) == "spawn":
+        return None
+    return Zygote({"OMP_NUM_THREADS": str(thread_share(local_workers)), **os.environ})
 
 
 def start_script(
@@ -272,8 +274,7 @@ def _serve(sock: socket.socket, interrupt: Any) -> _Job | None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            default_signal_handlers()  # SIGCHLD's and the wake-up fd are the zygote's
             for fd in (wake_read, wake_write):
                 os.close(fd)
             sock.close()
