@@ -294,7 +294,7 @@ def _grower(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_host_that_joins_mid_run_grows_the_job_and_others_are_refused(tmp_path):
     """``--nnodes 2:4``: hosts 0 and 1 start (one worker each, no node ranks given: the host
     with the address hosts the store, the other takes rank 1) and hold after 4 steps; node 3, whose
@@ -322,6 +322,9 @@ def test_a_host_that_joins_mid_run_grows_the_job_and_others_are_refused(tmp_path
             launched = time.time()
             nodes.append(_grower(c, a, None, port, tmp_path, secret, steps))
             refused.append(_grower(c, a, 2, port, tmp_path, "another secret", steps))
+            # each wait has its own minute, from what it waits for: a bound that only catches
+            # a hang, never the sum of the steps before it on a loaded machine
+            deadline = time.monotonic() + 60
             while len(_family(nodes[2].pid)) < 2:  # its worker started: node 2 is taken
                 assert time.monotonic() < deadline, "node 2 started no worker"
                 assert nodes[2].poll() is None, nodes[2].communicate()
@@ -331,8 +334,9 @@ def test_a_host_that_joins_mid_run_grows_the_job_and_others_are_refused(tmp_path
             said += [r.communicate(timeout=60)[0] for r in refused[1:]]
             # node 2's newcomer (id 3) asks in from ctx.replicate: let the job go on once it is
             # there, or on a busy machine the job may end before it is built
+            deadline = time.monotonic() + 60
             while not (tmp_path / "out" / "replicating-3").exists():
-                assert time.monotonic() < deadline + 60, "node 2's worker never got to replicate"
+                assert time.monotonic() < deadline, "node 2's worker never got to replicate"
                 assert nodes[2].poll() is None, nodes[2].communicate()
                 time.sleep(0.02)
             (tmp_path / "go").touch()
