@@ -146,7 +146,13 @@ class Context:
         self._state.replica = Replica(model)
         self._state.plan = ready.plan
         self._state.balanced(ready.balance)
-        driver = SyncDriver(self._group, ready.transform, owner=self._state, mode=ready.mode)
+        driver = SyncDriver(
+            self._group,
+            ready.transform,
+            owner=self._state,
+            mode=ready.mode,
+            on_unarmed=self._steps.on_unarmed,
+        )
         self._steps.attach(driver, model)
         breaks = self._state.plan.attach(model.to(self.device))
         return driver.replicate(model, bucket_bytes, breaks)
@@ -233,7 +239,7 @@ class Context:
         Afterwards the model holds the outer parameters on every rank. Returns the last outer
         step's result (``None`` in sync mode, or if nothing was left to exchange).
         """
-        return self._state.exchange(self._group, self._steps.driver, final=True)
+        return self._steps.runner.exchange(final=True)
 
     def backward(
         self, loss: torch.Tensor | None, samples: int | None = None, *, scaler: Any = None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +31,7 @@ from ..core.step import StepResult
 from ..engines.replica import check_loss
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.group import Group
+from ..engines.sync.runner import StepRunner
 from ..engines.sync.state import LastResult, RunState
 from .mistakes import (
     BACKWARD_TWICE,
@@ -49,23 +49,27 @@ class Stepper:
 
     def __init__(self, group: Group, state: RunState, last: LastResult):
         self.group, self.state, self.last = group, state, last
-        self.driver = SyncDriver(group, owner=state)
+        self.runner = StepRunner(group, state, SyncDriver(group, owner=state))
         self.model: nn.Module | None = None
         self.redo = False  # the last step must be trained again (a peer was lost)
         self.shard_samples: int | None = None  # the last shard's samples
         self.since_step = 0  # samples of every shard since the last step
         self.empty: tuple[int, int] | None = None  # an empty shard since: (batch, towers)
         self.batch: tuple[int, int] | None = None  # the last global batch's size, fingerprint
-        self.shard_at: float | None = None  # when ctx.shards yielded the current shard
         self.accumulated = False  # accumulate() ran since the last step
         self.local = False  # no_sync(): a backward that stays on this tower
         self._own = False  # inside a backward that towers runs itself
         self.warned_skip = False  # a plain backward's skipped step was reported
 
+    @property
+    def driver(self) -> SyncDriver:
+        return self.runner.driver
+
     def attach(self, driver: SyncDriver, model: nn.Module) -> None:
-        """The driver of the replicated ``model``: a backward nobody armed arms itself."""
-        self.driver, self.model = driver, model
-        driver.on_unarmed = self._on_unarmed
+        """The driver of the replicated ``model``, made with :meth:`on_unarmed`: a backward
+        nobody armed arms itself."""
+        self.runner.use(driver)
+        self.model = model
 
     def shard(self, samples: int, batch: tuple[int, int]) -> None:
         """``ctx.shards`` yields a shard of ``samples`` of a global batch (size, fingerprint)."""
@@ -73,7 +77,7 @@ class Stepper:
         self.since_step += samples
         if samples == 0:
             self.empty = (batch[0], self.group.comm.world_size)
-        self.shard_at = time.perf_counter()  # the forward and backward start here
+        self.runner.shard_taken()  # the forward and backward start here
 
     def weight(self, samples: int | None) -> int:
         if samples is None:
@@ -112,16 +116,12 @@ class Stepper:
 
     def _complete(self, optimizer: torch.optim.Optimizer | None, stamp: torch.Tensor) -> StepResult:
         """The step after its backward: the plan reduces (and applies), the step is counted."""
-        if self.shard_at is not None:  # what a balanced split follows
-            self.driver.add(0.0, 0, time.perf_counter() - self.shard_at)
-        state = self.state
-        result = state.plan.step(self.driver, optimizer, state.steps, stamp=stamp)
-        state.steps += 1
+        result = self.runner.complete(optimizer, stamp=stamp)
         self.last.result = result
         return result
 
     def _done(self) -> None:
-        self.shard_samples, self.batch, self.accumulated, self.shard_at = None, None, False, None
+        self.shard_samples, self.batch, self.accumulated = None, None, False
         self.since_step, self.empty = 0, None
 
     def run(
@@ -140,18 +140,17 @@ class Stepper:
         calling(f"{'ctx.step' if optimizer is not None else 'ctx.backward'} (step {state.steps})")
 
         def one() -> StepResult:  # attempted, and redone in an elastic job
-            if state.plan.reduces:
-                self.driver.arm()
+            self.runner.arm()
             self.backward(loss, weight, scaler)
             return self._complete(optimizer, stamp)
 
         before = state.steps
         try:
-            result = self.group.attempt(self.driver, one)
+            result = self.runner.attempt(one)
         finally:
             self._done()
         if result is not None:
-            outer = state.exchange(self.group, self.driver, final=False)
+            outer = self.runner.exchange(final=False)
             return result if outer is None else outer
         self.driver.zero_grad()
         if state.steps > before and self.last.result is not None:  # a peer had completed it
@@ -170,7 +169,7 @@ class Stepper:
 
     # -- a script's own loss.backward() ----------------------------------------------------
 
-    def _on_unarmed(self) -> bool:
+    def on_unarmed(self) -> bool:
         """A gradient arrived in a backward nobody armed: a script's ``loss.backward()``."""
         if self._own or self.local:
             return False
@@ -183,11 +182,7 @@ class Stepper:
             raise RuntimeError(PLAIN_BACKWARD_EMPTY_SHARD.format(batch=batch, world=world))
         if self.since_step == 0:
             raise RuntimeError(PLAIN_BACKWARD_NO_SHARDS)
-        samples = self.since_step
-        self.driver.arm(scale=samples)  # the loss is a mean: each gradient times its samples
-        self.driver.add(0.0, samples)
-        self.driver.loss_known = False
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_plain)
+        self.runner.arm_plain(self.since_step, self._finish_plain)
         return True
 
     def _finish_plain(self) -> None:
@@ -206,4 +201,4 @@ class Stepper:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self.state.exchange(self.group, self.driver, final=False)
+        self.runner.exchange(final=False)

@@ -69,6 +69,7 @@ class SyncDriver:
         transform: GradientTransform | None = None,
         owner: Owner | None = None,
         mode: str = "sync",
+        on_unarmed: Callable[[], bool] | None = None,
     ):
         self.group = group
         self.mode = mode  # as the job names it: a newcomer must train the same
@@ -84,7 +85,7 @@ class SyncDriver:
         self.seconds = 0.0  # and the compute time they took
         self.loss_known = True  # False: a backward the caller did not see (loss.backward())
         # called when a gradient arrives while the step is not armed (see GradientSync)
-        self.on_unarmed: Callable[[], bool] | None = None
+        self.on_unarmed = on_unarmed
         self._settled: list[torch.Tensor] = []  # buffers after the last completed step
 
     # -- the model -------------------------------------------------------------------------
@@ -224,6 +225,11 @@ class SyncDriver:
         self.loss_sum += loss_sum
         self.samples += samples
         self.seconds += seconds
+
+    def loss_unseen(self) -> None:
+        """The step's loss is not known to towers (a script's own ``loss.backward()``): its
+        result's loss is ``nan``."""
+        self.loss_known = False
 
     def backward(self, loss: torch.Tensor, samples: int, scaler: Any = None) -> None:
         """Backpropagate ``loss * samples`` (scaled by ``scaler``, a ``GradScaler``, if given)

@@ -33,6 +33,7 @@ from ..syncbn import convert_batchnorm
 from .driver import SyncDriver
 from .group import ElasticGroup, Group, PlainGroup
 from .mode import plan_for
+from .runner import StepRunner
 from .state import RunState
 
 __all__ = ["SyncRecord", "elastic_loop", "sync_loop"]
@@ -108,6 +109,7 @@ class _Run:
         )
         self.state.replica = self.replica
         self.driver = SyncDriver(group, job.transform, owner=self.state, mode=str(job.mode))
+        self.runner = StepRunner(group, self.state, self.driver)
         self.breaks = self.plan.attach(self.replica.model)
         self.order = BatchOrder(num_samples(job.data), job.batch_size, job.shuffle, job.seed)
         # a replacement takes the state from a live peer, not from the checkpoint the job
@@ -174,7 +176,7 @@ class _Run:
         evaluate and save if due. In an elastic job each is attempted (and redone) alone."""
         job = self.job
         if self.plan.owes(self.done, job.steps):
-            self.plan.exchange(self.driver, self.done, final=self.done == job.steps)
+            self.runner.exchange_once(final=self.done == job.steps)
         else:
             self._train(self.done)
         self._land()
@@ -197,16 +199,15 @@ class _Run:
             self._plan_loading()  # the split moved: the loaders fetch the new shards
         slow = job.straggle.get(comm.rank, 1.0)
         fetch = None if self.fetch is None else self._fetch_planned
-        arm = self.driver.arm if self.plan.reduces else None  # before the last micro-batch
         replica.schedule_to(job.scheduled(k))  # a replacement catches up
-        began = time.perf_counter()
+        self.runner.shard_taken()
         loss_sum, samples = backward_shard(
-            job, replica.model, mine, self.device, before_last=arm, slow=slow, fetch=fetch
-        )
-        self.driver.add(loss_sum, samples, time.perf_counter() - began)
-        self.plan.step(self.driver, replica.optimizer, k, at=self._clock)
+            job, replica.model, mine, self.device, before_last=self.runner.arm, slow=slow,
+            fetch=fetch,
+        )  # fmt: skip
+        self.driver.add(loss_sum, samples)
+        self.runner.complete(replica.optimizer, at=self._clock)
         replica.schedule_to(job.scheduled(k + 1))
-        self.done = k + 1
 
     def _clock(self) -> float:
         """Seconds of training so far, the runs this one resumed included."""
@@ -214,9 +215,8 @@ class _Run:
 
     def _land(self) -> None:
         """Record the steps whose results over all towers arrived."""
-        landed = self.plan.results()
+        landed = self.runner.land()  # the next split follows the speeds measured
         for k, r, at in landed:
-            self.state.observe(r)  # the next split follows the speeds measured
             self._completed(k, r, self._clock() if at is None else at)
         if landed and self.group.lost_at is not None:
             k = landed[-1][0]
@@ -271,7 +271,7 @@ class _Run:
                 group.comm.barrier()
             self.start, self.first_samples = time.perf_counter(), self.record.samples
             while self.done < job.steps or self.plan.owes(self.done, job.steps):
-                group.attempt(self.driver, self._advance)
+                self.runner.attempt(self._advance)
             group.finish(self.driver)
         finally:
             self.driver.remove()

@@ -15,21 +15,17 @@ state at the top, every rank's random streams and transform state, and the plan'
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ...comm.hang import calling
-from ...core.agree import BatchStamp
 from ...core.balance import Balancer
 from ...core.split import shard_sizes
 from ...core.step import StepResult
 from ..replica import Replica
 from .driver import SyncDriver
-from .group import Group
 from .plan import EveryStep, StepPlan
 
 __all__ = ["Journal", "LastResult", "RunState"]
@@ -208,21 +204,7 @@ class RunState:
             self.balancer = Balancer(state["towers"])
             self.balancer.load_state_dict(state)
 
-    # -- the own loop's exchanges and evaluation -------------------------------------------
-
-    def exchange(self, group: Group, driver: SyncDriver, final: bool) -> StepResult | None:
-        """The exchange the plan owes after :attr:`steps` (``final``: the loop is over), redone
-        until done; the last outer step's result, if any."""
-        outer, plan, steps = None, self.plan, self.steps
-        while plan.owes(steps, steps if final else None):
-            calling(f"the outer step (step {steps})")
-            comm = group.comm  # a new one after a regroup
-            stamp = BatchStamp(comm.world_size).pack(comm.rank, steps, None, None)
-            run = functools.partial(plan.exchange, driver, steps, final=final, stamp=stamp)
-            outer = group.attempt(driver, run) or outer
-        for _, result, _ in plan.results():  # the own loop keeps no record of the losses
-            self.observe(result)
-        return outer
+    # -- the own loop's evaluation ----------------------------------------------------------
 
     def evaluated(self, model: nn.Module) -> nn.Module:
         """What evaluating ``model`` means: the replicated model is evaluated with the

@@ -1,0 +1,129 @@
+"""A rank's synchronous step: the one orchestration behind every way of training.
+
+``towers.train``'s loop (:mod:`towers.engines.sync.loop`), the own loop's ``ctx.step`` and
+``ctx.backward`` and a script's own ``loss.backward()`` (:mod:`towers.api.stepper`) all take
+their steps through a :class:`StepRunner`:
+
+1. :meth:`~StepRunner.shard_taken`: the step's first shard is in hand. The step's clock starts;
+   its seconds, up to :meth:`~StepRunner.complete`, are what a balanced split follows.
+2. :meth:`~StepRunner.arm`: before the step's last backward, where the mode reduces every step,
+   so that its gradients travel as they arrive. A backward nobody armed (a script's own
+   ``loss.backward()``) is armed from its first gradient (:meth:`~StepRunner.arm_plain`) and
+   completed when it ends.
+3. :meth:`~StepRunner.complete`: the mode's plan reduces and applies (DiLoCo: the tower steps
+   alone), and the step is counted.
+4. :meth:`~StepRunner.land`: the results over all towers that arrived steer the split;
+   :meth:`~StepRunner.exchange`: an exchange the plan owes (DiLoCo's outer step).
+
+Each is done inside the group's attempt (:meth:`~StepRunner.attempt`): an elastic group redoes
+it, from the state the members agreed on, after a lost peer.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from ...comm.hang import calling
+from ...core.agree import BatchStamp
+from ...core.step import StepResult
+from .driver import SyncDriver
+from .group import Group
+from .plan import Landed
+from .state import RunState
+
+__all__ = ["StepRunner"]
+
+T = TypeVar("T")
+
+
+class StepRunner:
+    """One rank's steps over ``group``, with the run's ``state``, through ``driver``."""
+
+    def __init__(self, group: Group, state: RunState, driver: SyncDriver):
+        self.group, self.state, self.driver = group, state, driver
+        self.began: float | None = None  # when the step's first shard was taken
+
+    def use(self, driver: SyncDriver) -> None:
+        """Step through ``driver`` from now on (the own loop's, once its model is replicated)."""
+        self.driver = driver
+
+    def attempt(self, work: Callable[[], T]) -> T | None:
+        """``work()`` inside the group: its result, or ``None`` where an elastic group lost a
+        peer and regrouped (the work must be redone, its shard taken again)."""
+        try:
+            return self.group.attempt(self.driver, work)
+        finally:
+            self.began = None
+
+    # -- one step --------------------------------------------------------------------------
+
+    def shard_taken(self) -> None:
+        """This tower has its shard of the step (the first one, if it accumulates several)."""
+        if self.began is None:
+            self.began = time.perf_counter()
+
+    def arm(self) -> None:
+        """The next backward is the step's last: reduce its gradients as they arrive, where
+        the mode reduces every step."""
+        if self.state.plan.reduces:
+            self.driver.arm()
+
+    def arm_plain(self, samples: int, finish: Callable[[], None]) -> None:
+        """A backward nobody armed has reached its first gradient (a script's own
+        ``loss.backward()``): reduce it, each gradient times ``samples`` (its loss is a mean
+        over them), and call ``finish`` when the backward ends, as DDP finishes its reduction
+        there (autograd's end-of-backward callback)."""
+        self.driver.arm(scale=samples)
+        self.driver.add(0.0, samples)
+        self.driver.loss_unseen()
+        torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+    def complete(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        stamp: torch.Tensor | None = None,
+        at: Callable[[], float] | None = None,
+    ) -> StepResult:
+        """The step after its backward: the mode's plan reduces and, with an ``optimizer``,
+        applies (see :meth:`~towers.engines.sync.plan.StepPlan.step`); the step is counted."""
+        began, self.began = self.began, None  # the next step's clock starts at its shard
+        if began is not None:
+            self.driver.add(0.0, 0, time.perf_counter() - began)
+        state = self.state
+        result = state.plan.step(self.driver, optimizer, state.steps, stamp=stamp, at=at)
+        state.steps += 1
+        return result
+
+    def land(self) -> list[Landed]:
+        """The steps whose results over all towers arrived, in order; their shard sizes and
+        times steer the next split."""
+        landed = self.state.plan.results()
+        for _, result, _ in landed:
+            self.state.observe(result)
+        return landed
+
+    # -- exchanges -------------------------------------------------------------------------
+
+    def exchange_once(self, *, final: bool, stamp: torch.Tensor | None = None) -> StepResult | None:
+        """The exchange the plan owes after the steps done (``final``: training ends after it);
+        the outer step it applied, if any."""
+        return self.state.plan.exchange(self.driver, self.state.steps, final=final, stamp=stamp)
+
+    def exchange(self, final: bool) -> StepResult | None:
+        """Between steps (the own loop): the exchange the plan owes, redone until done; the
+        last outer step's result, if any."""
+        outer, plan, steps = None, self.state.plan, self.state.steps
+        while plan.owes(steps, steps if final else None):
+            calling(f"the outer step (step {steps})")
+            comm = self.group.comm  # a new one after a regroup
+            stamp = BatchStamp(comm.world_size).pack(comm.rank, steps, None, None)
+            run = functools.partial(plan.exchange, self.driver, steps, final=final, stamp=stamp)
+            outer = self.attempt(run) or outer
+        self.land()
+        return outer
