@@ -273,3 +273,51 @@ def test_a_skipped_constructor_is_found_through_imports(tmp_path):
         "@dataclass\nclass Record(Base):\n    z: int = 0\n"
     )
     assert _skipped_constructors(pkg) == ["towers.processes.nodes.Skips"]
+
+
+def _store_keys_by_hand(tree: ast.AST) -> list[tuple[int, str]]:
+    """Strings that name a key of the elastic store: one that starts as a family of keys
+    does anywhere, and any string passed to a store's method or a signed record's helper."""
+    families = ("hb/", "lost/", "join/", "ready/", "refused/", "left/", "notice/", "node/")
+    families += ("node_of/",)
+    methods = {"set", "get", "add", "check", "wait", "delete_key", "compare_set"}
+    helpers = {"put_signed", "get_signed", "read_signed"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr) and node.values:
+            head = node.values[0]
+            if isinstance(head, ast.Constant) and str(head.value).startswith(families):
+                found.append((node.lineno, str(head.value)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value.startswith(families):
+                found.append((node.lineno, node.value))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if not (
+                (
+                    isinstance(func, ast.Attribute)
+                    and called in methods
+                    and "store" in ast.unparse(func)
+                )
+                or called in helpers
+            ):
+                continue
+            key = node.args[2:3] if called in helpers else node.args[:1]  # the key's place
+            for arg in key:
+                for item in arg.elts if isinstance(arg, ast.List) else [arg]:
+                    if isinstance(item, ast.Constant) and isinstance(item.value, str):
+                        found.append((item.lineno, item.value))
+    return found
+
+
+def test_the_elastic_store_s_keys_are_named_only_in_its_protocol_module():
+    """Every key an elastic job keeps in its store is named in ``comm/protocol.py``: a key
+    written by hand anywhere else is one a change of the protocol would miss."""
+    by_hand = [
+        f"{path.name}:{line}: {text!r}"
+        for name, path in _modules().items()
+        if name.startswith(("towers.comm", "towers.processes")) and name != "towers.comm.protocol"
+        for line, text in _store_keys_by_hand(ast.parse(path.read_text()))
+    ]
+    assert not by_hand, by_hand

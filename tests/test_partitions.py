@@ -160,14 +160,15 @@ def test_a_host_dropped_during_a_blip_rejoins_and_ends_with_the_same_model(tmp_p
 def test_a_dropped_worker_stops_with_one_line_saying_when_and_why():
     """What a worker of a host that node 0 dropped sees once the link is back: not a member of
     the next generation, and why (written by node 0 before it published that generation)."""
-    from towers.comm.membership import Dropped, Membership, key
+    from towers.comm import protocol
+    from towers.comm.membership import Dropped, Membership
     from towers.comm.net import free_port
     from towers.processes.elastic_members import serve_store
 
     port = free_port("127.0.0.1")
     store = serve_store("127.0.0.1", port, 10, None)
-    store.set(key(0, "members"), "[0]")
-    store.set("lost/1", '{"at": 0, "why": "node 1\'s towers run was silent for 5 s"}')
+    store.set(protocol.generation(0, "members"), "[0]")
+    store.set(protocol.lost(1), protocol.Lost(0, "node 1's towers run was silent for 5 s").dumps())
     member = Membership("127.0.0.1", port, 1, 10)
     try:
         with pytest.raises(Dropped) as dropped:

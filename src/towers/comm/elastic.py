@@ -20,10 +20,11 @@ import torch.distributed as dist
 from ..core.args import check_timeout
 from ..core.launch import Launch
 from ..core.transport import Transport
+from . import protocol
 from .base import Comm, DistComm, LocalComm, PeerFailure
 from .graves import Graves
 from .group import DEFAULT_TIMEOUT, shm_or_group
-from .membership import Membership, key
+from .membership import Membership
 
 __all__ = ["ElasticConnection"]
 
@@ -64,7 +65,7 @@ class ElasticConnection:
         self._abandon()
         self.generation, self.members = self.membership.enter(generation)
         rank, world = self.members.index(self.id), len(self.members)
-        store = dist.PrefixStore(key(self.generation, "pg"), self.membership.store)
+        store = dist.PrefixStore(protocol.generation(self.generation, "pg"), self.membership.store)
         try:
             dist.init_process_group(
                 "gloo",

@@ -27,7 +27,8 @@ at all: no error, a call that never returns. The heartbeat's calls are timed
 (:class:`WatchedStore`): one that has not returned within the timeout ends the worker with a
 line saying that it lost contact with the job, and since when.
 
-Every key lives under the job's prefix, and the records that decide who is a member
+The keys and records are named in :mod:`towers.comm.protocol`. Every key lives under the job's
+prefix, and the records that decide who is a member
 (``members``, ``failed``, ``regroup``, ``join``, ``ready``) are signed with the job's secret
 (:mod:`towers.comm.store`): a process that reaches the store can list the keys, but its own
 records are passed over, so it cannot make itself a member.
@@ -47,6 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.secret import JobSecret
+from . import protocol
 from .base import PeerTimeout
 from .store import client_store, get_signed, job_store, put_signed, read_signed
 
@@ -58,7 +60,6 @@ __all__ = [
     "Pulse",
     "WatchedStore",
     "clock",
-    "key",
     "open_store",
     "own_client",
 ]
@@ -84,10 +85,6 @@ class JoinRefused(SystemExit):
     def __init__(self, why: str):
         super().__init__(2)
         self.why = why
-
-
-def key(generation: int, name: str) -> str:
-    return f"g{generation}/{name}"
 
 
 def open_store(addr: str, port: int, timeout: float, secret: JobSecret | None) -> Any:
@@ -275,7 +272,7 @@ class Membership:
         # The store client is not shared across threads: the heartbeat has its own.
         beat, self._cut = own_client(addr, port, timeout, secret)
         self._beat_store = WatchedStore(beat, timeout, self._cut_off)
-        self._beat_store.add(f"hb/{wid}", 1)
+        self._beat_store.add(protocol.heartbeat(wid), 1)
         self._thread = threading.Thread(target=self._beat, name="towers-heartbeat", daemon=True)
         self._thread.start()
 
@@ -283,12 +280,16 @@ class Membership:
         store = self._beat_store
         while not self._stop.wait(HEARTBEAT):
             try:
-                store.add(f"hb/{self.id}", 1)
+                store.add(protocol.heartbeat(self.id), 1)
                 g = self.generation
                 if g < 0:
                     continue
-                failed = get_signed(store, self.secret, key(g, "failed")) is not None
-                regroup = get_signed(store, self.secret, key(g, "regroup")) is not None
+                failed = (
+                    get_signed(store, self.secret, protocol.generation(g, "failed")) is not None
+                )
+                regroup = (
+                    get_signed(store, self.secret, protocol.generation(g, "regroup")) is not None
+                )
             except Exception as exc:
                 if self._stop.is_set():
                     return
@@ -328,7 +329,7 @@ class Membership:
 
     def failure(self, generation: int) -> tuple[list[int], float] | None:
         """The ids lost in ``generation`` and when, or ``None`` if it did not fail."""
-        text = get_signed(self.store, self.secret, key(generation, "failed"))
+        text = get_signed(self.store, self.secret, protocol.generation(generation, "failed"))
         if text is None:
             return None
         info = json.loads(text)
@@ -337,7 +338,9 @@ class Membership:
     def members(self, generation: int) -> list[int]:
         """The members of ``generation``, once the supervisor published it."""
         try:
-            text = read_signed(self.store, self.secret, key(generation, "members"), self.timeout)
+            text = read_signed(
+                self.store, self.secret, protocol.generation(generation, "members"), self.timeout
+            )
         except TimeoutError:
             raise PeerTimeout(
                 f"worker {self.id}: generation {generation} of the job was not published within "
@@ -348,9 +351,9 @@ class Membership:
     def _dropped(self) -> str:
         why = ""
         with contextlib.suppress(Exception):
-            if self.store.check([f"lost/{self.id}"]):
-                info = json.loads(self.store.get(f"lost/{self.id}"))
-                why = f" at {clock(info['at'])} ({info['why']})"
+            if self.store.check([protocol.lost(self.id)]):
+                lost = protocol.Lost.loads(self.store.get(protocol.lost(self.id)))
+                why = f" at {clock(lost.at)} ({lost.why})"
         return (
             f"towers: worker {self.id}{self.here} was dropped from the job{why}; the others train "
             "on without it. This worker stops"
@@ -359,7 +362,7 @@ class Membership:
     def job_terms(self) -> str:
         """The terms the job's members published (see the module doc), once they have."""
         try:
-            return read_signed(self.store, self.secret, "terms", self.timeout)
+            return read_signed(self.store, self.secret, protocol.TERMS, self.timeout)
         except TimeoutError:
             raise PeerTimeout(
                 f"worker {self.id}: the job's members did not say what they train within "
@@ -367,19 +370,19 @@ class Membership:
             ) from None
 
     def publish_terms(self, text: str) -> None:
-        put_signed(self.store, self.secret, "terms", text)
+        put_signed(self.store, self.secret, protocol.TERMS, text)
 
     def refuse(self, why: str) -> JoinRefused:
         """Say in the store why this newcomer does not join; the error that stops it."""
-        put_signed(self.store, self.secret, f"refused/{self.id}", why)
+        put_signed(self.store, self.secret, protocol.refused(self.id), why)
         return JoinRefused(why)
 
     def first_generation(self, joining: bool) -> int:
         """0 for a worker started with the job; a replacement waits to be let in."""
         if not joining:
             return 0
-        put_signed(self.store, self.secret, f"ready/{self.id}", "1")
-        return int(read_signed(self.store, self.secret, f"join/{self.id}", self.timeout))
+        put_signed(self.store, self.secret, protocol.ready(self.id), "1")
+        return int(read_signed(self.store, self.secret, protocol.joined(self.id), self.timeout))
 
     def enter(self, generation: int) -> tuple[int, list[int]]:
         """Arrive in ``generation`` (or a later one, if it fails) once all its members are here.
@@ -399,10 +402,13 @@ class Membership:
                 self.generation = generation
                 self.interrupt.clear()
                 self._regroup = False
-            self.store.add(key(generation, "here"), 1)
+            self.store.add(protocol.generation(generation, "here"), 1)
             deadline = time.monotonic() + self.timeout
-            while get_signed(self.store, self.secret, key(generation, "failed")) is None:
-                if self.store.add(key(generation, "here"), 0) >= len(members):
+            while (
+                get_signed(self.store, self.secret, protocol.generation(generation, "failed"))
+                is None
+            ):
+                if self.store.add(protocol.generation(generation, "here"), 0) >= len(members):
                     return generation, members
                 if time.monotonic() > deadline:
                     raise PeerTimeout(
@@ -417,5 +423,5 @@ class Membership:
         self._stop.set()
         _end(self._thread, 1.0, self._cut)
         with contextlib.suppress(Exception):
-            self.store.set(f"left/{self.id}", "1")
+            self.store.set(protocol.left(self.id), "1")
         self._beat_store.close()  # watched until here: a heartbeat stuck in a partition ends it

@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..comm.membership import key
+from ..comm import protocol
 from ..comm.net import DEFAULT_ADDR, free_port, is_loopback
 from ..comm.rendezvous import choose_interface
 from ..comm.store import get_signed, put_signed
@@ -198,18 +198,18 @@ class Supervisor:
         was), or one that failed before it was let in: the job goes on without it, as without
         a lost worker, and is not failed (it never was a member)."""
         store, signer = self.peers.store, self.peers.signer
-        why = get_signed(store, signer, f"refused/{wid}")
+        why = get_signed(store, signer, protocol.refused(wid))
         if (
             why is None
             and wid in self.newcomers
-            and get_signed(store, signer, f"join/{wid}") is None
+            and get_signed(store, signer, protocol.joined(wid)) is None
         ):
             failure = str(handle.failure(wid, rest)).splitlines()
             why = (
                 f"worker {wid}, a newcomer, failed before the job let it in "
                 f"({failure[0] if failure else 'no message'}); the job goes on without it"
             )
-            put_signed(store, signer, f"refused/{wid}", why)  # for the job's last line
+            put_signed(store, signer, protocol.refused(wid), why)  # for the job's last line
         if why is None:
             return False
         self.procs.pop(wid).kill()
@@ -223,8 +223,8 @@ class Supervisor:
         now = time.monotonic()
         store = self.peers.store
         for wid in list(self.procs):
-            count = store.add(f"hb/{wid}", 0)
-            if count == 0 or store.check([f"left/{wid}"]):
+            count = store.add(protocol.heartbeat(wid), 0)
+            if count == 0 or store.check([protocol.left(wid)]):
                 continue  # not connected yet, or done: its process is watched
             seen = self.beats.get(wid)
             if seen is None or seen[0] != count:
@@ -311,7 +311,9 @@ class OneHost:
         gens, stop = self.generations, []
         for wid in list(gens.waiting) + list(gens.admitted):
             g = gens.admitted.get(wid)
-            formed = g is not None and self.store.add(key(g, "here"), 0) >= len(gens.members[g])
+            formed = g is not None and self.store.add(protocol.generation(g, "here"), 0) >= len(
+                gens.members[g]
+            )
             if wid in self.running and not formed:
                 stop.append(wid)
                 gens.waiting.discard(wid)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from ..comm import protocol
 from ..comm.rendezvous import choose_interface
 from ..comm.store import ForeignJob, get_signed
 from .elastic import HANG_SECONDS, Supervisor
@@ -102,7 +103,7 @@ def run_script_nodes(
             file=sys.stderr,
         )
         return 2
-    turned = {w for w in nodes.gone if get_signed(nodes.store, nodes.signer, f"refused/{w}")}
+    turned = {w for w in nodes.gone if get_signed(nodes.store, nodes.signer, protocol.refused(w))}
     if nodes.coordinator and turned:
         print(
             f"towers run: newcomers {sorted(turned)} were not let in (their nodes said why); "
@@ -110,7 +111,7 @@ def run_script_nodes(
             file=sys.stderr,
         )
     if nodes.coordinator and nodes.gone - turned:
-        replaced = min(nodes.store.add("restarts", 0), max_restarts)
+        replaced = min(nodes.store.add(protocol.RESTARTS, 0), max_restarts)
         print(
             f"towers run: workers {sorted(nodes.gone - turned)} were lost, {replaced} replaced; "
             "the others trained on",

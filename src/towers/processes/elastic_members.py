@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..comm.membership import key
+from ..comm import protocol
 from ..comm.store import get_signed, host_store, job_store, put_signed
 from ..core.secret import JobSecret
 from .spawn import WorkerError
@@ -38,7 +38,7 @@ class Generations:
     def publish(self, members: list[int]) -> int:
         g = len(self.members)
         self.members[g] = members
-        put_signed(self.store, self.secret, key(g, "members"), json.dumps(members))
+        put_signed(self.store, self.secret, protocol.generation(g, "members"), json.dumps(members))
         return g
 
     def drop(self, wid: int, at: float) -> None:
@@ -49,7 +49,7 @@ class Generations:
         info = json.dumps({"dead": [wid], "at": at})
         for g, members in self.members.items():
             if wid in members and g not in self.marked:
-                put_signed(self.store, self.secret, key(g, "failed"), info)
+                put_signed(self.store, self.secret, protocol.generation(g, "failed"), info)
                 self.marked.add(g)
         if wid in self.latest:
             survivors = [m for m in self.latest if m != wid]
@@ -65,11 +65,11 @@ class Generations:
     def admit(self) -> None:
         """Let each built replacement into the next generation, at the members' next step."""
         for wid in sorted(self.waiting):
-            if get_signed(self.store, self.secret, f"ready/{wid}") is None:
+            if get_signed(self.store, self.secret, protocol.ready(wid)) is None:
                 continue
             self.waiting.discard(wid)
             current = len(self.members) - 1
             g = self.publish([*self.members[current], wid])
             self.admitted[wid] = g
-            put_signed(self.store, self.secret, f"join/{wid}", str(g))
-            put_signed(self.store, self.secret, key(current, "regroup"), "1")
+            put_signed(self.store, self.secret, protocol.joined(wid), str(g))
+            put_signed(self.store, self.secret, protocol.generation(current, "regroup"), "1")

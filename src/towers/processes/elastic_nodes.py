@@ -7,7 +7,7 @@ generations (:mod:`towers.comm.membership`); every launcher supervises its own w
 one host (process, heartbeat, a replacement for each of its own lost workers), and tells node
 0 of a loss through the store. The launcher is the one elastic supervisor
 (:class:`~towers.processes.elastic.Supervisor`), handed :class:`Nodes` as its peers; the
-store's keys:
+store's keys (named in :mod:`towers.comm.protocol`):
 
 - ``notices`` / ``notice/<n>``: the n-th loss (a worker id and when), posted by the node that
   killed it; node 0 marks the generations it was in as failed and publishes the next one.
@@ -54,7 +54,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..comm.membership import Pulse, WatchedStore, clock, key, open_store, own_client
+from ..comm import protocol
+from ..comm.membership import Pulse, WatchedStore, clock, open_store, own_client
 from ..comm.store import get_signed
 from ..core.args import nnodes_of, node_timeout_of
 from ..core.secret import JobSecret
@@ -131,7 +132,7 @@ class Nodes:
         """This node's heartbeat, on a store client of its own (node 0 watches it; the main
         loop's calls are watched here)."""
         beat = own_client(self.addr, self.port, self.timeout, self.signer)
-        return Pulse(beat, f"node/{self.node}/beat", every=min(0.2, self.silence / 10))
+        return Pulse(beat, protocol.node(self.node, "beat"), every=min(0.2, self.silence / 10))
 
     def stop_beating(self) -> None:
         """End this node's heartbeats before it exits (see :func:`own_client`)."""
@@ -162,10 +163,10 @@ class Nodes:
         """Every node must start as many workers as node 0 (worker ids depend on it), with the
         same ``--nnodes``; a node that differs stops the job, or, joining, only itself."""
         if self.coordinator:
-            self.store.set("nproc", f"{self.nproc} {self.span}")
+            self.store.set(protocol.NPROC, f"{self.nproc} {self.span}")
             return
-        self.store.wait(["nproc"])
-        theirs, span = self.store.get("nproc").decode().split()
+        self.store.wait([protocol.NPROC])
+        theirs, span = self.store.get(protocol.NPROC).decode().split()
         if int(theirs) != self.nproc:
             error = f"-n {self.nproc} here but -n {theirs} on node 0: every node needs the same -n"
         elif span != self.span:
@@ -176,7 +177,7 @@ class Nodes:
         # A node without a rank takes none; one that would join (by node 0's MIN) stops alone.
         if self.node < 0 or self.node >= nnodes_of(span)[0]:
             raise NodeRefused(f"{error}; the job goes on without this node")
-        self.store.set("abort", json.dumps({"node": self.node, "error": error, "code": 2}))
+        self.store.set(protocol.ABORT, protocol.Abort(self.node, error, 2).dumps())
         raise WorkerError(error, -1, 2)
 
     @property
@@ -189,16 +190,16 @@ class Nodes:
         node rank, the first free one (hosts 1..MIN-1 start the job, later ones join it)."""
         if self.node < 0:
             for r in range(1, self.most):
-                if self.store.add(f"node/{r}/claim", 1) == 1:
+                if self.store.add(protocol.node(r, "claim"), 1) == 1:
                     self.node = r
                     return
             raise NodeRefused(
                 f"no node rank is free: the job already has its {self.most} nodes (--nnodes "
                 f"{self.span})"
             )
-        if self.store.add(f"node/{self.node}/claim", 1) == 1:
+        if self.store.add(protocol.node(self.node, "claim"), 1) == 1:
             return
-        taken = [r for r in range(1, self.most) if self.store.check([f"node/{r}/claim"])]
+        taken = [r for r in range(1, self.most) if self.store.check([protocol.node(r, "claim")])]
         full = (
             f"; the job already has its {self.most} nodes (--nnodes {self.span})"
             if len(taken) == self.most - 1
@@ -217,7 +218,7 @@ class Nodes:
         Raises:
             NodeRefused: the job is ending.
         """
-        if self.store.check(["finishing"]):
+        if self.store.check([protocol.FINISHING]):
             raise NodeRefused("the job is ending: nothing is left to join")
         return [self._new_id(local) for local in range(self.nproc)]
 
@@ -243,7 +244,7 @@ class Nodes:
         os._exit(1)
 
     def dropped(self, wid: int) -> bool:
-        return bool(self.store.check([f"lost/{wid}"]))
+        return bool(self.store.check([protocol.lost(wid)]))
 
     def place(self, wid: int) -> dict[str, str]:
         return worker_env(
@@ -262,58 +263,57 @@ class Nodes:
         return self.coordinator and not self.watched <= self.nodes_done
 
     def lost(self, wid: int, at: float, replace: bool) -> int | None:
-        n = self.store.add("notices", 1)
-        self.store.set(f"notice/{n}", json.dumps({"dead": wid, "at": at}))
+        n = self.store.add(protocol.NOTICES, 1)
+        self.store.set(protocol.notice(n), protocol.Notice(wid, at).dumps())
         if self.coordinator:
             self._read_notices()
         if not replace or self.finishing:
             return None
-        if self.store.add("restarts", 1) > self.max_restarts:
+        if self.store.add(protocol.RESTARTS, 1) > self.max_restarts:
             return None
         return self._new_id(self.local_rank[wid])
 
     def _new_id(self, local: int) -> int:
         """A newcomer's id, job-wide, for this node's local rank ``local``."""
-        new = self.workers + self.store.add("ids", 1) - 1
-        self.store.set(f"node_of/{new}", str(self.node))
+        new = self.workers + self.store.add(protocol.IDS, 1) - 1
+        self.store.set(protocol.node_of(new), str(self.node))
         self.local_rank[new] = local
         self.local_new.add(new)
         return new
 
     def _read_notices(self) -> None:
-        total = self.store.add("notices", 0)
+        total = self.store.add(protocol.NOTICES, 0)
         while self.seen < total:
-            name = f"notice/{self.seen + 1}"
+            name = protocol.notice(self.seen + 1)
             if not self.store.check([name]):
                 return  # still being written
-            info = json.loads(self.store.get(name))
+            told = protocol.Notice.loads(self.store.get(name))
             self.seen += 1
-            self._forget(info["dead"], info["at"])
+            self._forget(told.dead, told.at)
 
     def _forget(self, wid: int, at: float, why: str = "") -> None:
         if wid not in self.gone:
             self.gone.add(wid)
             if why:  # it may still run: tell it, before it can see the generation without it
-                self.store.set(f"lost/{wid}", json.dumps({"at": at, "why": why}))
+                self.store.set(protocol.lost(wid), protocol.Lost(at, why).dumps())
             self.generations.drop(wid, at)
 
     def _admit(self) -> None:
-        for new in range(self.workers, self.workers + self.store.add("ids", 0)):
+        for new in range(self.workers, self.workers + self.store.add(protocol.IDS, 0)):
             if new not in self.generations.admitted and new not in self.gone:
                 self.generations.waiting.add(new)
         self.generations.admit()
+
+    def _formed(self, g: int) -> bool:
+        members = get_signed(self.store, self.signer, protocol.generation(g, "members"))
+        return self.store.add(protocol.generation(g, "here"), 0) >= len(json.loads(members or "[]"))
 
     def _latecomers(self) -> list[int]:
         """This node's replacements that the finished members will never take in."""
         stop = []
         for wid in sorted(self.local_new & set(self.running)):
-            formed = False
-            joined = get_signed(self.store, self.signer, f"join/{wid}")
-            if joined is not None:
-                g = int(joined)
-                record = get_signed(self.store, self.signer, key(g, "members"))
-                formed = self.store.add(key(g, "here"), 0) >= len(json.loads(record or "[]"))
-            if not formed:
+            joined = get_signed(self.store, self.signer, protocol.joined(wid))
+            if joined is None or not self._formed(int(joined)):
                 stop.append(wid)
         return stop
 
@@ -324,24 +324,24 @@ class Nodes:
 
     def tick(self, finishing: bool) -> tuple[list[int], list[int]]:
         self.finishing = self.finishing or finishing
-        if not self.coordinator and self.store.check([f"node/{self.node}/dropped"]):
+        if not self.coordinator and self.store.check([protocol.node(self.node, "dropped")]):
             return self._rejoin()
         if self.finishing:
-            self._tell("finishing")
-        elif self.store.check(["finishing"]):
+            self._tell(protocol.FINISHING)
+        elif self.store.check([protocol.FINISHING]):
             self.finishing = True
-        if self.store.check(["abort"]):
-            info = json.loads(self.store.get("abort"))
-            raise WorkerError(f"node {info['node']}: {info['error']}", -1, info["code"])
+        if self.store.check([protocol.ABORT]):
+            abort = protocol.Abort.loads(self.store.get(protocol.ABORT))
+            raise WorkerError(f"node {abort.node}: {abort.error}", -1, abort.code)
         if not self.running:
-            self._tell(f"node/{self.node}/done")
+            self._tell(protocol.node(self.node, "done"))
         if self.coordinator:
             self._read_notices()
             self._watch_nodes()
         if self.finishing:
             stop = self._latecomers()
             if set(self.running) <= set(stop):  # its last workers are stopped: it is done
-                self._tell(f"node/{self.node}/done")
+                self._tell(protocol.node(self.node, "done"))
             return stop, []
         if self.coordinator:
             self._admit()
@@ -355,17 +355,17 @@ class Nodes:
         Raises:
             NodeDropped: the job is ending: nothing is left to rejoin.
         """
-        info = json.loads(self.store.get(f"node/{self.node}/dropped"))
+        dropped = protocol.DroppedNode.loads(self.store.get(protocol.node(self.node, "dropped")))
         old = sorted(self.running)
         said = (
             f"this node (host {socket.gethostname()}) was dropped from the job at "
-            f"{clock(info['at'])}: node 0 heard nothing from its towers run for "
-            f"{info['silent']:g} s (a network partition, or this host stalled). Its workers "
+            f"{clock(dropped.at)}: node 0 heard nothing from its towers run for "
+            f"{dropped.silent:g} s (a network partition, or this host stalled). Its workers "
             f"{old} are stopped"
         )
-        if self.finishing or self.store.check(["finishing"]):
+        if self.finishing or self.store.check([protocol.FINISHING]):
             raise NodeDropped(f"{said}; the others train on without them")
-        self.store.delete_key(f"node/{self.node}/dropped")
+        self.store.delete_key(protocol.node(self.node, "dropped"))
         new = [self._new_id(local) for local in range(self.nproc)]
         # A heartbeat sent during the cut may wait for TCP's next resend, seconds after the link
         # is back (the interval doubles with each one lost): beat on a fresh connection.
@@ -374,7 +374,7 @@ class Nodes:
         self.pulse.close(wait=None)
         self._stale.append(self.pulse)
         self.pulse = self._pulse()
-        self.store.add(f"node/{self.node}/back", 1)
+        self.store.add(protocol.node(self.node, "back"), 1)
         print(
             f"towers run (node {self.node}): {said}; it rejoins with workers {new}, let in at "
             "the job's next step",
@@ -386,22 +386,22 @@ class Nodes:
     def _watch_nodes(self) -> None:
         now = time.monotonic()
         for r in range(self.most):
-            if r not in self.watched and self.store.add(f"node/{r}/beat", 0) > 0:
+            if r not in self.watched and self.store.add(protocol.node(r, "beat"), 0) > 0:
                 self.watched.add(r)  # a node joins: node 0 waits for it, and watches it
                 print(f"towers run: node {r} joins the job", file=sys.stderr, flush=True)
             if r not in self.watched:
                 continue
-            if r in self.away and self.store.check([f"node/{r}/back"]):
-                self.store.delete_key(f"node/{r}/back")  # it rejoins: watch it again
+            if r in self.away and self.store.check([protocol.node(r, "back")]):
+                self.store.delete_key(protocol.node(r, "back"))  # it rejoins: watch it again
                 self.away.discard(r)
                 self.nodes_done.discard(r)
                 self.node_beats.pop(r, None)
             if r in self.nodes_done:
                 continue
-            if self.store.check([f"node/{r}/done"]):
+            if self.store.check([protocol.node(r, "done")]):
                 self.nodes_done.add(r)
                 continue
-            count = self.store.add(f"node/{r}/beat", 0)
+            count = self.store.add(protocol.node(r, "beat"), 0)
             seen = self.node_beats.get(r)
             if count == 0 and now - self.launched > self.timeout:
                 raise WorkerError(
@@ -421,7 +421,7 @@ class Nodes:
     def _node_of(self, wid: int) -> int:
         if wid < self.workers:
             return wid // self.nproc
-        name = f"node_of/{wid}"
+        name = protocol.node_of(wid)
         return int(self.store.get(name)) if self.store.check([name]) else -1
 
     def _node_lost(self, r: int, at: float) -> None:
@@ -437,7 +437,7 @@ class Nodes:
             file=sys.stderr,
             flush=True,
         )
-        self.store.set(f"node/{r}/dropped", json.dumps({"at": at, "silent": self.silence}))
+        self.store.set(protocol.node(r, "dropped"), protocol.DroppedNode(at, self.silence).dumps())
         why = f"node {r}'s towers run was silent for {self.silence:g} s"
         for wid in lost:
             self._forget(wid, at, why)
@@ -445,5 +445,5 @@ class Nodes:
     def fail(self, exc: WorkerError) -> None:
         """Tell every node that the job failed (unless it learnt that from another node)."""
         if exc.rank >= 0:
-            info = {"node": self.node, "error": str(exc), "code": exc.exitcode or 1}
-            self.store.set("abort", json.dumps(info))
+            abort = protocol.Abort(self.node, str(exc), exc.exitcode or 1)
+            self.store.set(protocol.ABORT, abort.dumps())
