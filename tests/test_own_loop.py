@@ -128,9 +128,10 @@ def own_loop_cases():
             {"loss": torch.tensor(float(ctx.rank + 1)), "acc": 0.5 * ctx.rank}, rank_samples
         )
         mistakes = _mistakes(ctx)
-        return clipped, scaled, bn_warning, bn, means, mistakes
     finally:
         ctx.close()
+    after_close = ctx.rank, ctx.world_size, ctx.is_main  # what the rank was in the job
+    return clipped, scaled, bn_warning, bn, means, mistakes, after_close
 
 
 def _plain_clipped(dtype: torch.dtype):
@@ -183,7 +184,10 @@ def _references() -> tuple[Reference, Reference, Reference, Reference]:
 def test_own_loop_open_step_matches_plain_loops():
     out = towers.spawn(own_loop_cases, 3)
     clipped_reference, norms_reference, scaled_reference, bn_reference = _references()
-    for rank, (clipped, scaled, bn_warning, bn_state, means, (errors, skip)) in enumerate(out):
+    for rank, (clipped, scaled, bn_warning, bn_state, means, mistakes, after_close) in enumerate(
+        out
+    ):
+        errors, skip = mistakes
         # ctx.backward + clip_grad_norm_ + Adam == the same on the full batch, on every rank
         got_params, got_norms, got_losses = clipped
         assert max(got_norms) > CLIP  # the clipping did bite
@@ -202,6 +206,7 @@ def test_own_loop_open_step_matches_plain_loops():
         assert "not on the same global batch" in errors["batch"]
         assert "DistributedSampler" in errors["batch"] and "rank 2: 9 samples" in errors["batch"]
         assert skip == (True, [1], True, True)
+        assert after_close == (rank, 3, rank == 0)
 
 
 def test_batch_stamp_names_the_disagreement_pure():

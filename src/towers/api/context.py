@@ -64,6 +64,7 @@ class Context:
         # the user's batches cannot be replayed: the state agreed on elastic jobs says so
         self._state = RunState(EveryStep(), self._last, joining=group.joining, replays=False)
         self._steps = Stepper(group, self._state, self._last)
+        self._left: tuple[int, int] | None = None  # rank and world size, once closed
 
     @property
     def steps(self) -> int:
@@ -72,11 +73,11 @@ class Context:
 
     @property
     def rank(self) -> int:
-        return self._group.comm.rank
+        return self._left[0] if self._left is not None else self._group.comm.rank
 
     @property
     def world_size(self) -> int:
-        return self._group.comm.world_size
+        return self._left[1] if self._left is not None else self._group.comm.world_size
 
     @property
     def comm(self) -> Comm:
@@ -401,8 +402,12 @@ class Context:
     def close(self) -> None:
         """Leave the job: remove the hooks and, if :func:`init` created it, the process group.
 
-        In an elastic job, first wait until every member has done every step.
+        In an elastic job, first wait until every member has done every step. Afterwards
+        :attr:`rank`, :attr:`world_size` and :attr:`is_main` keep the values they had in the job
+        (``if ctx.is_main: save(...)`` after ``close`` runs on rank 0 only).
         """
+        if self._left is None:
+            self._left = (self.rank, self.world_size)
         driver = self._steps.driver
         self._group.finish(driver if driver.model is not None else None)
         driver.remove()
