@@ -82,15 +82,17 @@ def _env(rank: int, cwd: Path) -> dict[str, str]:
     }
 
 
-def _zygote(tmp_path: Path) -> Zygote:
+def _zygote(tmp_path: Path, fork: bool = False) -> Zygote:
     env = _env(0, tmp_path)
     env.pop("PYTHONUNBUFFERED", None)  # buffering is each rank's own
-    return Zygote(env)
+    return Zygote(env, fork=fork)
 
 
-@pytest.fixture
-def zygote(tmp_path):
-    zygote = _zygote(tmp_path)  # per test: no process outlives its test (conftest checks)
+@pytest.fixture(params=[False, True], ids=["started", "forked"])
+def zygote(tmp_path, request):
+    """A zygote started as a new interpreter, or forked from this process (as ``towers run``
+    forks its own), per test: no process outlives its test (conftest checks)."""
+    zygote = _zygote(tmp_path, fork=request.param)
     yield zygote
     zygote.close()
     assert zygote.proc.returncode is not None

@@ -22,15 +22,18 @@ with the zygote, so no rank outlives ``towers run``. The zygote reaps the ranks 
 exit codes; it also signals them on request, so a signal never reaches a reused process id.
 Requests travel over a socket pair only the caller holds, as JSON (nothing is unpickled).
 
+A caller that has imported torch itself and runs no other thread (the ``towers`` command) forks
+the zygote instead of starting it, so that torch is imported once per job, not twice; the
+zygote imports only what the caller has not. A rank of a forked zygote never returns into the
+caller's code: it ends as the interpreter would, then leaves with ``os._exit``.
+
 ``TOWERS_START_METHOD=spawn`` starts every rank as a fresh interpreter instead.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import gc
-import io
 import json
 import os
 import select
@@ -39,15 +42,17 @@ import socket
 import subprocess
 import sys
 import threading
-import types
+import time
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from .as_script import Job, run, run_and_end
 from .env import describe_exit, thread_share
 from .lifeline import die_with_parent
 from .start import START_ENV, default_signal_handlers
 
-__all__ = ["PRELOAD", "Rank", "Zygote", "main", "start_script", "zygote_for"]
+__all__ = ["PRELOAD", "Forked", "Rank", "Zygote", "main", "start_script", "zygote_for"]
 
 PRELOAD = ("torch", "torch._dynamo", "towers")
 _LIMIT = 1 << 20  # bytes of one request (argv and environment)
@@ -88,20 +93,28 @@ class Zygote:
     """An interpreter with torch imported that forks ``python SCRIPT ARGS`` ranks on request.
 
     ``env``: the zygote's own environment (default: this process's); torch reads some of it at
-    import. Start it early: its imports take a few seconds, in which the caller may go on, and
-    :meth:`start` waits for them.
+    import. ``fork``: fork this process rather than start a new interpreter (default: where
+    this process has imported torch and runs no other thread; see the module doc). Start it
+    early: its imports take a few seconds, in which the caller may go on, and :meth:`start`
+    waits for them.
     """
 
-    def __init__(self, env: Mapping[str, str] | None = None):
+    def __init__(self, env: Mapping[str, str] | None = None, *, fork: bool | None = None):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        code = "from towers.processes.zygote import main; main()"
+        if fork is None:
+            fork = "torch" in sys.modules and threading.active_count() == 1
         with theirs:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", code, str(theirs.fileno())],
-                env=None if env is None else dict(env),
-                pass_fds=[theirs.fileno()],
-                preexec_fn=die_with_parent(),
-            )
+            self.proc: Forked | subprocess.Popen[bytes]
+            if fork:
+                self.proc = Forked.zygote(theirs, ours, env)
+            else:
+                code = "from towers.processes.zygote import main; main()"
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", code, str(theirs.fileno())],
+                    env=None if env is None else dict(env),
+                    pass_fds=[theirs.fileno()],
+                    preexec_fn=die_with_parent(),
+                )
         self.sock = ours
         self.changed = threading.Condition()
         self.pids: dict[int, int] = {}  # request number -> rank pid
@@ -216,29 +229,79 @@ def start_script(
     return zygote.start(argv, env, **streams)
 
 
-class _Job:
-    def __init__(self, request: dict[str, Any]):
-        self.argv: list[str] = request["argv"]
-        self.env: dict[str, str] = request["env"]
-        self.cwd: str = request["cwd"]
+class Forked:
+    """A zygote forked from the caller, watched like a ``subprocess.Popen``."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    @classmethod
+    def zygote(
+        cls, theirs: socket.socket, ours: socket.socket, env: Mapping[str, str] | None
+    ) -> Forked:
+        """Fork a zygote that serves ``theirs`` (``ours``: the caller's end, closed in it)."""
+        arm = die_with_parent()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            return cls(pid)
+        code = 1
+        try:
+            ours.close()
+            arm()
+            if env is not None:
+                os.environ.clear()
+                os.environ.update(env)
+            job = _preload_and_serve(theirs)
+            code = 0 if job is None else run_and_end(job)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)  # never back into the caller's code
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def main() -> None:
     """The zygote: preload, serve requests on the socket named in ``sys.argv[1]``, and in each
     forked child run its script."""
-    sock = socket.socket(fileno=int(sys.argv[1]))
+    job = _preload_and_serve(socket.socket(fileno=int(sys.argv[1])))
+    if job is not None:
+        run(job)
+
+
+def _preload_and_serve(sock: socket.socket) -> Job | None:
+    """Import what a rank needs, and serve (see :func:`_serve`)."""
     # Python's own handler, or SIG_IGN where the caller started it with SIGINT ignored (a
     # background job of a shell): a fresh interpreter keeps the latter, and so does each rank
     interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the ranks' to handle
     for name in PRELOAD:
         __import__(name)
     gc.freeze()  # what every rank inherits is never walked by its garbage collector
-    job = _serve(sock, interrupt)
-    if job is not None:
-        _run(job)
+    return _serve(sock, interrupt)
 
 
-def _serve(sock: socket.socket, interrupt: Any) -> _Job | None:
+def _serve(sock: socket.socket, interrupt: Any) -> Job | None:
     """Fork a child per request; return its job in the child, ``None`` when the caller is gone.
     ``interrupt``: the child's ``SIGINT`` handler."""
     wake_read, wake_write = os.pipe()
@@ -286,7 +349,7 @@ def _serve(sock: socket.socket, interrupt: Any) -> _Job | None:
                     fd = next(streams)
                     os.dup2(fd, target)
                     os.close(fd)
-            return _Job(request)
+            return Job(request)
         children.add(pid)
         for fd in fds:
             os.close(fd)
@@ -296,60 +359,3 @@ def _serve(sock: socket.socket, interrupt: Any) -> _Job | None:
 def _tell(sock: socket.socket, event: dict[str, int]) -> None:
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         sock.send(json.dumps(event).encode())
-
-
-def _run(job: _Job) -> None:
-    """Become ``python SCRIPT ARGS``: its environment, stdio, ``sys`` state and ``__main__``."""
-    os.chdir(job.cwd)
-    os.environ.clear()
-    os.environ.update(job.env)
-    _reopen_stdio(unbuffered=bool(job.env.get("PYTHONUNBUFFERED")))
-    threads = job.env.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        import torch
-
-        torch.set_num_threads(int(threads))
-    if "numpy.random" in sys.modules:
-        sys.modules["numpy.random"].seed()  # from fresh entropy, as a new interpreter's
-    script = job.argv[0]
-    sys.argv = list(job.argv)
-    sys.path[0] = os.path.dirname(os.path.realpath(script))
-    module = types.ModuleType("__main__")
-    module.__file__ = script
-    module.__dict__["__builtins__"] = builtins
-    sys.modules["__main__"] = module
-    with io.open_code(script) as f:
-        code = compile(f.read(), script, "exec", dont_inherit=True)
-    sys.excepthook = _from_script(script)
-    exec(code, module.__dict__)
-
-
-def _reopen_stdio(unbuffered: bool) -> None:
-    """Standard output and error on their new descriptors, buffered as a new interpreter's."""
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        old = getattr(sys, name)
-        raw = io.FileIO(fd, "wb", closefd=False)
-        buffer: Any = raw if unbuffered else io.BufferedWriter(raw)
-        stream = io.TextIOWrapper(
-            buffer,
-            encoding=old.encoding,
-            errors=old.errors,
-            line_buffering=not unbuffered and (name == "stderr" or os.isatty(fd)),
-            write_through=unbuffered,
-        )
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
-
-
-def _from_script(script: str) -> Any:
-    """An excepthook whose tracebacks start at the script, as ``python SCRIPT``'s do."""
-
-    def hook(kind: type[BaseException], exc: BaseException, tb: types.TracebackType | None) -> None:
-        start = tb
-        while start is not None and start.tb_frame.f_code.co_filename != script:
-            start = start.tb_next
-        if start is not None:
-            exc.__traceback__ = start  # the default hook prints the exception's own
-        sys.__excepthook__(kind, exc, start or tb)
-
-    return hook
