@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from ..core.launch import ELASTIC
 from .env import describe_exit, thread_share
 from .spawn import WorkerError, _failure
-from .zygote import Rank, Zygote, start_script, zygote_for
+from .zygote import Rank, Zygote, can_fork, start_script, zygote_for
 
 __all__ = ["Forked", "Script", "ScriptStarter", "Starter", "Worker"]
 
@@ -105,8 +105,11 @@ class ScriptStarter:
     """Starts ``python SCRIPT ARGS`` as an elastic worker (a replacement if ``joining``).
 
     The workers, replacements included, are forked from one interpreter that has imported torch
-    (:mod:`.zygote`), so a replacement starts in milliseconds, not seconds. The zygote starts
-    with the first worker (a node that the job refuses starts none); :meth:`close` stops it.
+    (:mod:`.zygote`), so a replacement starts in milliseconds, not seconds. Where this process
+    can fork it (the ``towers`` command, before the store's and the heartbeat's threads start),
+    the zygote is forked at once and imports the rest with the first worker; otherwise it starts
+    with the first worker. Either way a node that the job refuses imports nothing more.
+    :meth:`close` stops it.
     """
 
     def __init__(self, script: str, args: Sequence[str], local_workers: int):
@@ -115,6 +118,9 @@ class ScriptStarter:
         self.threads = str(thread_share(local_workers))
         self.zygote: Zygote | None = None
         self.started = False
+        if can_fork():
+            self.zygote = zygote_for(local_workers)
+            self.started = True
 
     def __call__(self, wid: int, joining: bool, env: dict[str, str]) -> Script:
         if not self.started:

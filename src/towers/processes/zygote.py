@@ -52,7 +52,16 @@ from .env import describe_exit, thread_share
 from .lifeline import die_with_parent
 from .start import START_ENV, default_signal_handlers
 
-__all__ = ["PRELOAD", "Forked", "Rank", "Zygote", "main", "start_script", "zygote_for"]
+__all__ = [
+    "PRELOAD",
+    "Forked",
+    "Rank",
+    "Zygote",
+    "can_fork",
+    "main",
+    "start_script",
+    "zygote_for",
+]
 
 PRELOAD = ("torch", "torch._dynamo", "towers")
 _LIMIT = 1 << 20  # bytes of one request (argv and environment)
@@ -102,7 +111,7 @@ class Zygote:
     def __init__(self, env: Mapping[str, str] | None = None, *, fork: bool | None = None):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         if fork is None:
-            fork = "torch" in sys.modules and threading.active_count() == 1
+            fork = can_fork()
         with theirs:
             self.proc: Forked | subprocess.Popen[bytes]
             if fork:
@@ -209,6 +218,12 @@ class Zygote:
                 return
 
 
+def can_fork() -> bool:
+    """Whether a zygote forked from this process, now, would gain and be safe: this process has
+    imported torch, and runs no other thread (whose locks a fork could inherit held)."""
+    return "torch" in sys.modules and threading.active_count() == 1
+
+
 def zygote_for(local_workers: int) -> Zygote | None:
     """A zygote for ``local_workers`` ranks on this host, or ``None`` where
     ``TOWERS_START_METHOD=spawn`` asks for fresh interpreters. Its environment is this
@@ -254,7 +269,7 @@ class Forked:
             if env is not None:
                 os.environ.clear()
                 os.environ.update(env)
-            job = _preload_and_serve(theirs)
+            job = _preload_and_serve(theirs, lazy=True)
             code = 0 if job is None else run_and_end(job)
         except BaseException:
             traceback.print_exc()
@@ -290,20 +305,27 @@ def main() -> None:
         run(job)
 
 
-def _preload_and_serve(sock: socket.socket) -> Job | None:
-    """Import what a rank needs, and serve (see :func:`_serve`)."""
+def _preload_and_serve(sock: socket.socket, lazy: bool = False) -> Job | None:
+    """Import what a rank needs, and serve (see :func:`_serve`). ``lazy``: import it with the
+    first request (a forked zygote, which has torch already: an elastic node that the job
+    refuses starts no worker, and imports nothing more)."""
     # Python's own handler, or SIG_IGN where the caller started it with SIGINT ignored (a
     # background job of a shell): a fresh interpreter keeps the latter, and so does each rank
     interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the ranks' to handle
-    for name in PRELOAD:
-        __import__(name)
-    gc.freeze()  # what every rank inherits is never walked by its garbage collector
+    if not lazy:
+        _preload()
     return _serve(sock, interrupt)
 
 
+def _preload() -> None:
+    for name in PRELOAD:
+        __import__(name)
+    gc.freeze()  # what every rank inherits is never walked by its garbage collector
+
+
 def _serve(sock: socket.socket, interrupt: Any) -> Job | None:
-    """Fork a child per request; return its job in the child, ``None`` when the caller is gone.
-    ``interrupt``: the child's ``SIGINT`` handler."""
+    """Fork a child per request (with :data:`PRELOAD` imported); return its job in the child,
+    ``None`` when the caller is gone. ``interrupt``: the child's ``SIGINT`` handler."""
     wake_read, wake_write = os.pipe()
     for fd in (wake_read, wake_write):
         os.set_blocking(fd, False)
@@ -333,6 +355,8 @@ def _serve(sock: socket.socket, interrupt: Any) -> Job | None:
             if request["pid"] in children:
                 os.kill(request["pid"], request["sig"])
             continue
+        if not all(name in sys.modules for name in PRELOAD):
+            _preload()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
