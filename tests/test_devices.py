@@ -180,3 +180,44 @@ def test_a_grad_scaler_skips_and_backs_off_on_every_rank_as_one_process_does():
             ctx.backward(mse(model, regression_data(n=4)), scaler=2.0)
     finally:
         ctx.close()
+
+
+SHARED = "runs CPU workers (shared memory or Gloo)"  # what the transports declare
+
+
+def test_every_elastic_refusal_follows_from_what_the_transports_declare(monkeypatch):
+    """Elastic jobs regroup over transports that declare it (shared memory, Gloo), which move
+    CPU tensors: the transport, backend and device refusals of train(elastic=True) and of a
+    script under towers run --elastic all say so in the same words, with the fix."""
+    data = regression_data()
+    cases = [
+        (
+            dict(elastic=True, transport="nccl"),
+            f"transport='nccl': elastic=True {SHARED}; pass transport='shm' or 'gloo', or drop "
+            "elastic=True to train on GPUs",
+        ),
+        (
+            dict(elastic=True, device="cuda"),
+            f"device='cuda': elastic=True {SHARED}; pass device='cpu' or 'auto', or drop "
+            "elastic=True to train on GPUs",
+        ),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError) as caught:
+            towers.train(make_net(), mse, data, batch_size=9, steps=2, **kwargs)
+        assert str(caught.value) == message
+    launched = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2")
+    for name, value in {**launched, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TOWERS_ELASTIC", "1")  # a rank of towers run --elastic
+    instead = "or start the job without --elastic to train on GPUs"
+    cases = [
+        (dict(backend="nccl"), f"backend='nccl': towers run --elastic {SHARED}; pass "),
+        (dict(transport="nccl"), f"transport='nccl': towers run --elastic {SHARED}; pass "),
+        (dict(device="cuda"), f"device='cuda': towers run --elastic {SHARED}; pass "),
+    ]
+    fixes = ["backend='gloo'", "transport='shm' or 'gloo'", "device='cpu' or 'auto'"]
+    for (kwargs, message), fix in zip(cases, fixes, strict=True):
+        with pytest.raises(ValueError) as caught:
+            towers.init(**kwargs)
+        assert str(caught.value) == f"{message}{fix}, {instead}"

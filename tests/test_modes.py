@@ -115,3 +115,26 @@ def test_a_new_mode_is_one_class_and_one_registration(monkeypatch):
     with pytest.raises(ValueError, match="mode 'sleepy' is registered twice"):
         register(Other)
     assert register(Sleepy) is Sleepy  # registering the same class again changes nothing
+
+
+def test_what_a_mode_declares_is_what_its_plan_and_the_balance_check_do():
+    """``reduces_every_step`` is the step plan's ``reduces`` (the loops arm before the backward
+    by it), and ``exact_under_any_split`` decides alone whether a balanced split is refused."""
+    from towers.core.compat import uneven_split_refusal
+    from towers.engines.sync.mode import plan_for
+
+    for name, cls in MODES.items():
+        needed = [f.sample() for f in cls.fields if not f.optional]
+        mode = parse_mode(":".join([name, *map(str, needed)]))
+        refusal = uneven_split_refusal(mode)
+        if mode.engine is Engine.SYNC:
+            assert plan_for(mode).reduces == mode.reduces_every_step, name
+            assert (refusal is None) == mode.exact_under_any_split, name
+            if refusal is not None:
+                assert refusal == (
+                    f"in mode {str(mode)!r} each tower steps alone on its shard, so the split "
+                    "changes what each tower learns"
+                )
+        else:
+            assert refusal is None and not mode.reduces_every_step, name
+    assert [n for n, c in MODES.items() if c.exact_under_any_split] == ["sync"]

@@ -27,6 +27,7 @@ from typing import Any
 
 from torch import nn
 
+from ..core.compat import uneven_split_refusal
 from ..core.modes import Engine, Mode
 
 __all__ = ["choose_balance", "unbalanced_because"]
@@ -41,11 +42,9 @@ def unbalanced_because(
     transform: Any = None,
 ) -> str | None:
     """Why an uneven split could change this job's result, or ``None`` if it cannot."""
-    if mode is not None and mode.engine is Engine.SYNC and mode.name != "sync":
-        return (
-            f"in mode {str(mode)!r} each tower steps alone on its shard, so the split changes "
-            "what each tower learns"
-        )
+    why = None if mode is None else uneven_split_refusal(mode)
+    if why is not None:
+        return why
     if transform is not None:
         return (
             "a gradient transform (compress=, transform=) reduces each tower's own values (an "

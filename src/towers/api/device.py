@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from ..core.compat import elastic_devices, elastic_refusal
 from ..core.devices import Placement, narrow, place, visible_gpus
 from ..core.launch import Launch
 from ..core.modes import Mode
@@ -24,12 +25,7 @@ def train_placement(
     the same). Raises ``ValueError`` before any worker starts if ``request`` cannot be served."""
     request = narrow(request, transport)
     if elastic:
-        if request == "cuda":
-            raise ValueError(
-                "device='cuda': elastic=True runs CPU workers (Gloo or shared memory); pass "
-                "device='cpu' or 'auto'"
-            )
-        request = "cpu"
+        request = _elastic(request, "elastic=True", "drop elastic=True")
     # the asynchronous modes' server is one more process, with a GPU of its own
     local = launch.local_world_size if launch.launched else workers + mode.servers
     rank = launch.local_rank if launch.launched else 0
@@ -44,16 +40,19 @@ def loop_placement(
     """Where this own-loop process computes (``towers.init``)."""
     request = narrow(request, transport, backend)
     if launch.elastic:
-        if request == "cuda":
-            raise ValueError(
-                "device='cuda': towers run --elastic runs CPU workers; pass device='cpu' or "
-                "'auto', or start the job without --elastic to train on GPUs"
-            )
-        request = "cpu"
+        request = _elastic(request, "towers run --elastic", "start the job without --elastic")
     local = launch.local_world_size if launch.launched else 1
     placement = place(request, local, visible_gpus(), launch.local_rank if launch.launched else 0)
     _announce(request, placement, launch.rank, "towers.init")
     return placement
+
+
+def _elastic(request: str, how: str, instead: str) -> str:
+    """The device an elastic job's worker computes on, where ``request`` allows it."""
+    refused = elastic_refusal(how, device=request, instead=instead)
+    if refused is not None:
+        raise ValueError(refused)
+    return elastic_devices()[0] if request == "auto" else request
 
 
 def _announce(request: str, placement: Placement, rank: int, where: str) -> None:

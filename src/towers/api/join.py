@@ -13,6 +13,7 @@ import importlib
 from ..comm.elastic import ElasticConnection
 from ..comm.group import connect
 from ..core.args import check_timeout
+from ..core.compat import elastic_refusal
 from ..core.launch import read_launch
 from ..core.transport import Transport
 from ..engines.sync.group import ElasticGroup, PlainGroup
@@ -20,6 +21,8 @@ from .context import Context
 from .device import loop_placement
 
 __all__ = ["init"]
+
+_NO = "start the job without --elastic"  # how to train on GPUs instead
 
 
 def init(
@@ -68,8 +71,12 @@ def init(
     parsed = Transport.parse(transport, launch.transport)
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    if launch.elastic and (backend == "nccl" or parsed is Transport.NCCL):
-        raise ValueError("towers run --elastic runs CPU workers: use backend='gloo'")
+    if launch.elastic:
+        asked = None if backend is None else f"backend={backend!r}"
+        over = Transport.parse(backend) if parsed is Transport.AUTO and backend else parsed
+        refused = elastic_refusal("towers run --elastic", transport=over, asked=asked, instead=_NO)
+        if refused is not None:
+            raise ValueError(refused)
     placement = loop_placement(device, launch, backend, parsed)
     if not launch.elastic:
         plain = connect(launch, timeout=timeout, transport=parsed, device=placement.kind)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.compat import elastic_refusal
 from ..core.data import global_batches, num_samples, take
 from ..core.launch import Launch
 from ..core.messages import shorten
@@ -276,11 +277,9 @@ def check_elastic(elastic: Any, mode: Mode, transport: Transport, launch: Launch
             f"goes to the others, with exact results); mode {str(mode)!r} already goes on "
             "without a dead worker: drop elastic=True"
         )
-    if transport is Transport.NCCL:
-        raise ValueError(
-            "elastic=True runs CPU workers (Gloo or shared memory); pass transport='gloo' or "
-            "'shm', or drop elastic=True to train on GPUs"
-        )
+    refused = elastic_refusal("elastic=True", transport=transport, instead="drop elastic=True")
+    if refused is not None:
+        raise ValueError(refused)
     if launch.launched:
         raise ValueError(
             "elastic=True is for workers that train() starts itself, not for a job started by "

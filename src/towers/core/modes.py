@@ -50,6 +50,11 @@ class Mode(Spec):
     keyword = "mode"
     valid = "valid modes are"
     engine: ClassVar[Engine]
+    # whether any split of a global batch over the towers trains the same model (each step is
+    # the global batch's gradient): what a balanced split needs to keep the result
+    exact_under_any_split: ClassVar[bool] = False
+    # whether every global batch is one reduction over all towers (the loops arm before backward)
+    reduces_every_step: ClassVar[bool] = False
 
     @property
     def servers(self) -> int:

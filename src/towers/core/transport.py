@@ -25,9 +25,30 @@ class Transport(enum.Enum):
         return self.value
 
     @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices whose tensors it moves (``auto``: whatever the job computes on)."""
+        return _DECLARED[self][0]
+
+    @property
+    def elastic(self) -> bool:
+        """Whether an elastic job can regroup over it after a lost member (``auto``: it picks
+        one that can)."""
+        return _DECLARED[self][1]
+
+    @property
+    def backend(self) -> bool:
+        """Whether it is a process group's backend (``init(backend=...)`` names it)."""
+        return _DECLARED[self][2]
+
+    @property
+    def title(self) -> str:
+        """Its name in a sentence."""
+        return _DECLARED[self][3]
+
+    @property
     def cpu(self) -> bool:
         """Whether it moves CPU tensors only (Gloo, shared memory)."""
-        return self in (Transport.GLOO, Transport.SHM)
+        return self.devices == ("cpu",)
 
     @classmethod
     def parse(cls, given: Transport | str | None, launched: str | None = None) -> Transport:
@@ -52,3 +73,12 @@ class Transport(enum.Enum):
         except ValueError:
             valid = ", ".join(t.value for t in cls)
             raise ValueError(f"transport must be one of {valid}; got {given!r}") from None
+
+
+# what each transport declares: its devices, elastic, a process group's backend, its title
+_DECLARED: dict[Transport, tuple[tuple[str, ...], bool, bool, str]] = {
+    Transport.AUTO: (("cpu", "cuda"), True, False, "the transport that applies"),
+    Transport.SHM: (("cpu",), True, False, "shared memory"),
+    Transport.GLOO: (("cpu",), True, True, "Gloo"),
+    Transport.NCCL: (("cuda",), False, True, "NCCL"),
+}

@@ -56,6 +56,8 @@ class Sync(SyncMode):
     (sample-weighted) and all take the same step."""
 
     name = "sync"
+    exact_under_any_split = True
+    reduces_every_step = True
     help = "every tower computes its shard; one sample-weighted average and step per batch"
 
 
