@@ -151,6 +151,7 @@ class Stepper:
             self._done()
         if result is not None:
             outer = self.runner.exchange(final=False)
+            self.runner.land()  # the steps' results, and the exchange's, steer the split
             return result if outer is None else outer
         self.driver.zero_grad()
         if state.steps > before and self.last.result is not None:  # a peer had completed it
@@ -202,3 +203,4 @@ class Stepper:
                 stacklevel=2,
             )
         self.runner.exchange(final=False)
+        self.runner.land()

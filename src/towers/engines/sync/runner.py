@@ -12,8 +12,9 @@ their steps through a :class:`StepRunner`:
    completed when it ends.
 3. :meth:`~StepRunner.complete`: the mode's plan reduces and applies (DiLoCo: the tower steps
    alone), and the step is counted.
-4. :meth:`~StepRunner.land`: the results over all towers that arrived steer the split;
-   :meth:`~StepRunner.exchange`: an exchange the plan owes (DiLoCo's outer step).
+4. :meth:`~StepRunner.land`: the results over all towers that arrived steer the split (the loop
+   also records them); :meth:`~StepRunner.exchange`: an exchange the plan owes (DiLoCo's outer
+   step).
 
 Each is done inside the group's attempt (:meth:`~StepRunner.attempt`): an elastic group redoes
 it, from the state the members agreed on, after a lost peer.
@@ -125,5 +126,4 @@ class StepRunner:
             stamp = BatchStamp(comm.world_size).pack(comm.rank, steps, None, None)
             run = functools.partial(plan.exchange, self.driver, steps, final=final, stamp=stamp)
             outer = self.attempt(run) or outer
-        self.land()
         return outer
