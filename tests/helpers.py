@@ -197,3 +197,20 @@ def saved_finals(out: Path) -> dict[int, dict]:
     """The final states that tests/scripts/elastic_loop.py's workers saved in ``out``
     (``final-RANK.pt``), by rank."""
     return {int(p.stem.split("-")[1]): torch.load(p) for p in out.glob("*.pt")}
+
+
+def unused_port() -> int:
+    """A port of 127.0.0.1 that nothing holds now, below the kernel's ephemeral range (from
+    32768): a port picked inside that range can become an outgoing connection's local port (a
+    store client's, a Gloo pair's) before the test's listener binds it."""
+    import random
+    import socket
+
+    while True:
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port

@@ -23,6 +23,7 @@ from helpers import (
     processes_mentioning,
     reap,
     saved_finals,
+    unused_port,
 )
 from netns import three_hosts, two_hosts
 
@@ -235,7 +236,7 @@ def test_a_lost_launcher_loses_its_node_and_the_other_trains_on(tmp_path):
 def test_nodes_with_different_widths_stop_with_the_reason(tmp_path):
     """Two launchers on one host (127.0.0.1), -n 1 and -n 2: both stop at once, saying why."""
     run = [sys.executable, "-m", "towers", "run", str(SCRIPTS / "elastic_loop.py"), "--elastic",
-           "--nnodes", "2", "--master-port", str(random.randrange(30000, 40000))]  # fmt: skip
+           "--nnodes", "2", "--master-port", str(unused_port())]  # fmt: skip
     script = ["--", "--progress", str(tmp_path), "--out", str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": SRC}
     nodes = [
@@ -266,7 +267,7 @@ def test_a_node_that_never_connects_fails_the_job_after_the_timeout(tmp_path, ca
     from towers.processes.elastic_launch import run_script_nodes
 
     args = ["--progress", str(tmp_path), "--out", str(tmp_path)]
-    port = random.randrange(40000, 50000)
+    port = unused_port()  # outside the ephemeral range: no connection's port takes it
     code = run_script_nodes(
         str(SCRIPTS / "elastic_loop.py"), 1, args, nnodes=2, node_rank=0, addr="127.0.0.1",
         port=port, timeout=3,
