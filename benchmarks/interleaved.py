@@ -13,6 +13,7 @@ Run it from the repository root::
 
     python benchmarks/interleaved.py --model mlp -n 2 --load 1 --pairs 20
     python benchmarks/interleaved.py --model mlp -n 2 --load 1 --policies adaptive,yield-1ms,sleep
+    python benchmarks/interleaved.py --model mlp -n 2 --compress int8   # towers compresses
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ class _YieldPoll(wait.Waiter):
         return need
 
 
-def _worker(name: str, policies: list[str], pairs: int, block: int) -> dict[str, list[float]]:
+def _worker(
+    name: str, policies: list[str], pairs: int, block: int, compress: str | None
+) -> dict[str, list[float]]:
     ctx = towers.init(transport="shm")
     world, rank = ctx.world_size, ctx.rank
     shards = [towers.split(b, world)[rank] for b in bench._batches(name)]
     ddp = DistributedDataParallel(bench._build(name))
     ddp_opt = bench._sgd(ddp.parameters())
-    ours = ctx.replicate(bench._build(name))
+    ours = ctx.replicate(bench._build(name), compress=compress)
     ours_opt = bench._sgd(ours.parameters())
     comm: Any = ctx.comm
     sem = comm._mine
@@ -98,17 +101,25 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=20, help="rounds of blocks")
     parser.add_argument("--block", type=int, default=5, help="steps per block")
     parser.add_argument("--policies", default="adaptive")
+    parser.add_argument("--compress", default=None, help="towers' compression, e.g. int8")
     args = parser.parse_args()
     policies = args.policies.split(",")
     before = os.getloadavg()[0]
     with busy(args.load):
         times = towers.spawn(
-            _worker, args.workers, args.model, policies, args.pairs, args.block, timeout=590
+            _worker,
+            args.workers,
+            args.model,
+            policies,
+            args.pairs,
+            args.block,
+            args.compress,
+            timeout=590,
         )[0]
     print(
         f"{args.model}, {args.workers} workers, {args.load} busy processes beside them; "
         f"1-minute load average {before:.2f} before, {os.getloadavg()[0]:.2f} after; "
-        f"{args.pairs} rounds of {args.block}-step blocks"
+        f"{args.pairs} rounds of {args.block}-step blocks; towers' compression: {args.compress}"
     )
     print(f"{'arm':<22}{'ms/step':>10}{'x DDP':>8}   (x DDP: median of the per-round ratios)")
     for arm, values in times.items():
