@@ -119,13 +119,15 @@ class ScriptStarter:
         self.zygote: Zygote | None = None
         self.started = False
         if can_fork():
-            self.zygote = zygote_for(local_workers)
-            self.started = True
+            self._start_zygote()
+
+    def _start_zygote(self) -> None:
+        self.zygote = zygote_for(self.local_workers)  # None: fresh interpreters (spawn)
+        self.started = True
 
     def __call__(self, wid: int, joining: bool, env: dict[str, str]) -> Script:
         if not self.started:
-            self.zygote = zygote_for(self.local_workers)
-            self.started = True
+            self._start_zygote()
         env = {**env, ELASTIC: "join" if joining else "1"}  # towers run --elastic
         env.setdefault("OMP_NUM_THREADS", self.threads)
         return Script(start_script(self.zygote, self.argv, env))

@@ -54,7 +54,7 @@ from .start import START_ENV, default_signal_handlers
 
 __all__ = [
     "PRELOAD",
-    "Forked",
+    "ForkedZygote",
     "Rank",
     "Zygote",
     "can_fork",
@@ -113,9 +113,9 @@ class Zygote:
         if fork is None:
             fork = can_fork()
         with theirs:
-            self.proc: Forked | subprocess.Popen[bytes]
+            self.proc: ForkedZygote | subprocess.Popen[bytes]
             if fork:
-                self.proc = Forked.zygote(theirs, ours, env)
+                self.proc = ForkedZygote.fork(theirs, ours, env)
             else:
                 code = "from towers.processes.zygote import main; main()"
                 self.proc = subprocess.Popen(
@@ -244,7 +244,7 @@ def start_script(
     return zygote.start(argv, env, **streams)
 
 
-class Forked:
+class ForkedZygote:
     """A zygote forked from the caller, watched like a ``subprocess.Popen``."""
 
     def __init__(self, pid: int):
@@ -252,9 +252,9 @@ class Forked:
         self.returncode: int | None = None
 
     @classmethod
-    def zygote(
+    def fork(
         cls, theirs: socket.socket, ours: socket.socket, env: Mapping[str, str] | None
-    ) -> Forked:
+    ) -> ForkedZygote:
         """Fork a zygote that serves ``theirs`` (``ours``: the caller's end, closed in it)."""
         arm = die_with_parent()
         sys.stdout.flush()
@@ -314,7 +314,7 @@ def _preload_and_serve(sock: socket.socket, lazy: bool = False) -> Job | None:
     interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the ranks' to handle
     if not lazy:
         _preload()
-    return _serve(sock, interrupt)
+    return _serve(sock, interrupt, loaded=not lazy)
 
 
 def _preload() -> None:
@@ -323,9 +323,10 @@ def _preload() -> None:
     gc.freeze()  # what every rank inherits is never walked by its garbage collector
 
 
-def _serve(sock: socket.socket, interrupt: Any) -> Job | None:
-    """Fork a child per request (with :data:`PRELOAD` imported); return its job in the child,
-    ``None`` when the caller is gone. ``interrupt``: the child's ``SIGINT`` handler."""
+def _serve(sock: socket.socket, interrupt: Any, loaded: bool) -> Job | None:
+    """Fork a child per request (with :data:`PRELOAD` imported, at the first one unless
+    ``loaded``); return its job in the child, ``None`` when the caller is gone.
+    ``interrupt``: the child's ``SIGINT`` handler."""
     wake_read, wake_write = os.pipe()
     for fd in (wake_read, wake_write):
         os.set_blocking(fd, False)
@@ -355,8 +356,9 @@ def _serve(sock: socket.socket, interrupt: Any) -> Job | None:
             if request["pid"] in children:
                 os.kill(request["pid"], request["sig"])
             continue
-        if not all(name in sys.modules for name in PRELOAD):
+        if not loaded:
             _preload()
+            loaded = True
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
