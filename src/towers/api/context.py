@@ -397,6 +397,10 @@ class Context:
         self._state.steps = loaded[0]  # where the mode's periods continue
         return loaded
 
+    def _stepper(self) -> Stepper:
+        """The steps' owner, for ``towers.ddp``'s wrapper (its switches and its join)."""
+        return self._steps
+
     def barrier(self) -> None:
         self.comm.agree_call("ctx.barrier")
         self.comm.barrier()

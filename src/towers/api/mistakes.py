@@ -18,6 +18,7 @@ from ..core.modes import Engine
 __all__ = [
     "BACKWARD_IN_DILOCO",
     "BACKWARD_TWICE",
+    "NO_SAMPLES",
     "PLAIN_BACKWARD_ELASTIC",
     "PLAIN_BACKWARD_EMPTY_SHARD",
     "PLAIN_BACKWARD_NO_SHARDS",
@@ -40,6 +41,10 @@ PLAIN_BACKWARD_ELASTIC = (
     "available here: under towers run --elastic a step interrupted by a lost worker must be "
     "redone, and in DiLoCo each tower steps alone between outer steps. Use "
     "ctx.step(loss, optimizer) in place of loss.backward() and optimizer.step()"
+)
+NO_SAMPLES = (
+    "step {step}: no tower had any samples; every step needs at least one. A rank with no "
+    "samples passes loss=None, samples=0 and the others pass theirs"
 )
 PLAIN_BACKWARD_NO_SHARDS = (
     "loss.backward() on the replicated model averages the gradients over all towers, each "

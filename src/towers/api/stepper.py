@@ -35,6 +35,7 @@ from ..engines.sync.runner import StepRunner
 from ..engines.sync.state import LastResult, RunState
 from .mistakes import (
     BACKWARD_TWICE,
+    NO_SAMPLES,
     PLAIN_BACKWARD_ELASTIC,
     PLAIN_BACKWARD_EMPTY_SHARD,
     PLAIN_BACKWARD_NO_SHARDS,
@@ -60,6 +61,7 @@ class Stepper:
         self.local = False  # no_sync(): a backward that stays on this tower
         self._own = False  # inside a backward that towers runs itself
         self.warned_skip = False  # a plain backward's skipped step was reported
+        self.joining = False  # out of batches: empty steps beside the others' (DDP's join)
 
     @property
     def driver(self) -> SyncDriver:
@@ -78,6 +80,14 @@ class Stepper:
         if samples == 0:
             self.empty = (batch[0], self.group.comm.world_size)
         self.runner.shard_taken()  # the forward and backward start here
+
+    def own_batch(self, samples: int) -> None:
+        """A rank's own batch of ``samples`` went into the forward (a DDP-style script, each
+        rank drawing its batch): the next step weights this tower by its batches since the last
+        step."""
+        self.shard_samples = samples
+        self.since_step += samples
+        self.runner.shard_taken()
 
     def weight(self, samples: int | None) -> int:
         if samples is None:
@@ -118,6 +128,8 @@ class Stepper:
         """The step after its backward: the plan reduces (and applies), the step is counted."""
         result = self.runner.complete(optimizer, stamp=stamp)
         self.last.result = result
+        if result.samples == 0 and not self.joining:
+            raise ValueError(NO_SAMPLES.format(step=self.state.steps - 1))
         return result
 
     def _done(self) -> None:
@@ -158,6 +170,24 @@ class Stepper:
             return self.last.result
         self.redo = True
         return StepResult(math.nan, [], [], skipped=True, redo=True)
+
+    def join(self) -> int:
+        """Take empty steps beside the other ranks' until every rank has run out of batches
+        (a step with no samples on any rank), as DDP's ``join()`` shadows the steps of the ranks
+        that still train; every rank calls it once its batches are done. Returns the steps this
+        rank sat out."""
+        sat_out, self.joining = 0, True
+        try:
+            while True:
+                self.driver.zero_grad()  # this rank's own steps are done
+                self._done()
+                result = self.run(None, 0, None)
+                self.driver.zero_grad()  # the others' gradient, not this rank's to apply
+                if result.samples == 0:
+                    return sat_out
+                sat_out += 1
+        finally:
+            self.joining = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -196,17 +196,13 @@ class StepMeta:
 
 
 def step_result(tally: Tally, sums_finite: bool) -> StepResult:
-    """Decide the step: skipped if any tower was at fault or the summed gradients are not finite.
-
-    Raises:
-        ValueError: if no tower had a sample (every step needs at least one).
-    """
+    """Decide the step: skipped if any tower was at fault or the summed gradients are not finite,
+    or if no tower had a sample (an *empty* step: every rank of a DDP-style job has run out of
+    batches, :mod:`towers.api.ddp`; the own loop refuses one it did not ask for)."""
     total = tally.total
-    if total <= 0:
-        raise ValueError("no tower had any samples in this step; every step needs >= 1")
     tower_losses = [s / c if c > 0 else math.nan for s, c in zip(tally.sums, tally.counts)]
-    skipped = bool(tally.culprits) or not sums_finite
-    loss = sum(tally.sums) / total
+    skipped = bool(tally.culprits) or not sums_finite or total <= 0
+    loss = sum(tally.sums) / total if total > 0 else math.nan
     return StepResult(
         loss, tower_losses, tally.counts, skipped, tally.culprits, tower_seconds=tally.seconds
     )
