@@ -1,0 +1,324 @@
+"""DDP's names over towers' step, for a DDP script that changes only its imports (``towers.ddp``).
+
+Each rank brings its own batch, as under DDP. :class:`DistributedDataParallel` counts the
+samples that go into each training forward (the first tensor's size along ``dim``) and towers
+weights every rank's gradient by them, so the step averages over samples, not over ranks: a
+rank with a smaller batch (an uneven last batch, a dataset that does not divide by the ranks)
+counts for what it holds, and the run equals one process on the ranks' batches put together.
+The step itself is the own loop's (:class:`~towers.api.stepper.Stepper` over the one
+:class:`~towers.engines.sync.runner.StepRunner`): a script's ``loss.backward()`` arms the
+reduction at its first gradient and completes it when the backward ends.
+
+Ranks that run out of batches first (a dataset that does not divide into whole batches on
+every rank) take empty steps beside the others' until every rank is out (:meth:`Stepper.join
+<towers.api.stepper.Stepper.join>`): inside ``model.join()``, at the next
+``sampler.set_epoch`` and at ``destroy_process_group``. The model, its buffers and its
+optimizer's state are then taken from a rank that trained to the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_leaves
+
+from ..engines.job import OptimizerFactory
+from ..engines.transforms import GradientTransform
+from .context import Context
+from .join import init
+from .stepper import Stepper
+
+__all__ = [
+    "DistributedDataParallel",
+    "barrier",
+    "batch_size_seen",
+    "context",
+    "destroy_process_group",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "is_initialized",
+    "join_all",
+]
+
+_job: Context | None = None  # the job init_process_group joined
+_models: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+_batch: int | None = None  # the samples of the first training forward: the loader's batch size
+
+
+def batch_size_seen() -> int | None:
+    """The samples of the job's first training forward (a loader's batch size), once seen."""
+    return _batch
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: datetime.timedelta | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Any = None,
+    group_name: str = "",
+    pg_options: Any = None,
+    device_id: Any = None,
+) -> None:
+    """Join the job this process was launched into (``torchrun`` or ``towers run``), as
+    ``torch.distributed.init_process_group`` does; a plain ``python script.py`` is a job of one.
+
+    ``backend``: ``"gloo"`` (CPU workers, summed in shared memory on one host), ``"nccl"``
+    (one GPU per rank) or a ``"cpu:gloo,cuda:nccl"`` pair (chosen by device); ``timeout``:
+    how long a rank waits for the others. The job comes from the launcher's environment
+    (env://): ``init_method``, ``store``, ``world_size`` and ``rank`` may only repeat it.
+    """
+    global _job
+    if _job is not None:
+        raise RuntimeError("init_process_group() was called twice: the job is joined already")
+    if init_method not in (None, "env://") or store is not None:
+        raise ValueError(
+            "towers.ddp joins the job its launcher describes (env://: torchrun or towers run "
+            f"set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); got init_method={init_method!r}"
+            f"{', a store' if store is not None else ''}. Launch the script with torchrun or "
+            "towers run, and call init_process_group(backend) without them"
+        )
+    seconds = timeout.total_seconds() if timeout is not None else None
+    job = init(backend=_backend(backend), timeout=seconds)
+    for name, given, actual in (
+        ("rank", rank, job.rank),
+        ("world_size", world_size, job.world_size),
+    ):
+        if given not in (-1, actual):
+            job.close()
+            raise ValueError(f"{name}={given} was passed, but the launcher made this {actual}")
+    _job = job
+
+
+def _backend(backend: str | None) -> str | None:
+    """towers' backend for torch's name: one of gloo and nccl, or ``None`` to follow the
+    device (a per-device pair, or none given)."""
+    if backend is None or "," in backend or ":" in backend:
+        return None
+    if backend.lower() in ("gloo", "nccl"):
+        return backend.lower()
+    raise ValueError(
+        f"backend must be 'gloo' or 'nccl' (or a 'cpu:gloo,cuda:nccl' pair), got {backend!r}"
+    )
+
+
+def context() -> Context:
+    """The job :func:`init_process_group` joined."""
+    if _job is None:
+        raise RuntimeError(
+            "Default process group has not been initialized: call "
+            "towers.ddp.init_process_group() first"
+        )
+    return _job
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init_process_group` has joined the job (and it has not been left)."""
+    return _job is not None
+
+
+def get_rank() -> int:
+    return context().rank
+
+
+def get_world_size() -> int:
+    return context().world_size
+
+
+def barrier() -> None:
+    context().barrier()
+
+
+def join_all() -> None:
+    """Every wrapped model's ranks out of batches together (see the module doc); on every
+    rank."""
+    for model in list(_models):
+        model.join_now()
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """Leave the job: ranks that ran out of batches first wait in empty steps until the others
+    are done (their model then equals theirs), and the hooks come off every wrapped model."""
+    global _job, _batch
+    if group is not None:
+        raise ValueError("towers.ddp has one group, the job's: call destroy_process_group()")
+    job = context()
+    try:
+        join_all()
+    finally:
+        for model in list(_models):
+            model.remove_hooks()
+        _models.clear()
+        _job, _batch = None, None
+        job.close()
+
+
+class DistributedDataParallel(nn.Module):
+    """``torch.nn.parallel.DistributedDataParallel``'s interface over towers' synchronous step.
+
+    The model keeps its place as ``.module``; a forward is the module's. After
+    ``loss.backward()`` every ``.grad`` holds the mean gradient over every sample of every
+    rank's batch (each rank weighted by the samples of its forwards since the last step; a
+    forward with no tensor counts one). ``no_sync()`` and ``require_backward_grad_sync =
+    False`` keep a backward on this rank (gradient accumulation), ``join()`` lets ranks run out
+    of batches at different steps.
+
+    towers' own options come as keywords: ``compress`` (``"bf16"``, ``"int8"``,
+    ``"powersgd:R"``, ...), ``sync_batchnorm``, ``transform``. torch's ``device_ids`` must name
+    the device the job put this rank on (``cuda:LOCAL_RANK`` under NCCL), ``bucket_cap_mb``
+    sizes the buckets; ``broadcast_buffers``, ``find_unused_parameters``,
+    ``gradient_as_bucket_view`` and ``static_graph`` are accepted for what they promise
+    (towers takes rank 0's buffers at the start, tolerates parameters without gradients and
+    hands out gradients as views of its buckets anyway).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        process_group: Any = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        *,
+        compress: str | None = None,
+        sync_batchnorm: bool = False,
+        transform: GradientTransform | None = None,
+        outer_optimizer: OptimizerFactory | None = None,
+    ):
+        super().__init__()
+        job = context()
+        if process_group is not None:
+            raise ValueError("towers.ddp trains over the whole job: pass no process_group")
+        _check_devices(job.device, device_ids)
+        bucket = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
+        self.module = job.replicate(
+            module,
+            bucket_bytes=bucket,
+            sync_batchnorm=sync_batchnorm,
+            transform=transform,
+            compress=compress,
+            outer_optimizer=outer_optimizer,
+            balance=False,
+        )
+        self.dim = dim
+        self._steps: Stepper = job._stepper()
+        self._params = {id(p) for p in self.module.parameters()}
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._hook = register_optimizer_step_post_hook(self._stepped)
+        _models.add(self)
+
+    # -- DDP's switches --------------------------------------------------------------------
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """``False``: backward calls stay on this rank (nanoGPT's switch for accumulation)."""
+        return not self._steps.local
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._steps.local = not value
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward calls inside stay on this rank; the first one outside sums what the
+        forwards since the last step accumulated, weighted by their samples."""
+        before = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    @contextlib.contextmanager
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Iterator[None]:
+        """Ranks may run out of batches at different steps inside: at the end, those that ran
+        out first take empty steps beside the others' until all are out, and then hold the
+        model, buffers and optimizer state of a rank that trained to the end.
+
+        towers needs no ``divide_by_initial_world_size``: every step divides by the samples
+        the ranks actually had.
+        """
+        if throw_on_early_termination:
+            raise ValueError(
+                "throw_on_early_termination is not needed under towers: the ranks that run out "
+                "first take empty steps, and every step stays the mean over its samples"
+            )
+        yield
+        if enable:
+            self.join_now()
+
+    def join_now(self) -> None:
+        """Empty steps until every rank is out of batches; then every rank takes the state of
+        one that trained to the end (the lowest rank among those that sat out least)."""
+        sat_out = self._steps.join()
+        comm = context().comm
+        counts = comm.all_gather_object(sat_out)
+        if max(counts) == 0:
+            return
+        source = counts.index(min(counts))
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                comm.broadcast(t.data, source)
+        for optimizer in sorted(self._optimizers, key=id):
+            state = comm.broadcast_object(optimizer.state_dict(), source)
+            optimizer.load_state_dict(state)
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        """An optimizer stepped: remember it if it steps this model (a join hands its state
+        from a rank that trained to the end to those that sat out)."""
+        if any(id(p) in self._params for g in optimizer.param_groups for p in g["params"]):
+            self._optimizers.add(optimizer)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            global _batch
+            samples = _samples(inputs, kwargs, self.dim)
+            _batch = samples if _batch is None else _batch
+            self._steps.own_batch(samples)
+        return self.module(*inputs, **kwargs)
+
+    def remove_hooks(self) -> None:
+        self._hook.remove()
+
+
+def _samples(inputs: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> int:
+    """The samples of a forward: the first tensor's size along ``dim`` (1 without one)."""
+    for leaf in tree_leaves((inputs, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            return int(leaf.shape[dim]) if leaf.dim() > dim else 1
+    return 1
+
+
+def _check_devices(device: torch.device, device_ids: Sequence[int | torch.device] | None) -> None:
+    """``device_ids`` as DDP takes them: none, or the one device this rank computes on."""
+    if not device_ids:
+        return
+    if len(device_ids) != 1:
+        raise ValueError(f"one device per rank: device_ids={list(device_ids)!r} names several")
+    (asked,) = device_ids
+    wanted = torch.device("cuda", asked) if isinstance(asked, int) else torch.device(asked)
+    if wanted != device:
+        raise ValueError(
+            f"device_ids={list(device_ids)!r}, but this rank computes on {device} (the job's "
+            "placement: cuda:LOCAL_RANK under NCCL, else the CPU); pass device_ids=None"
+        )

@@ -1,0 +1,212 @@
+"""``towers.ddp``: a DDP script on towers by its imports, against one process and against DDP.
+
+The drop-in example (examples/ddp_dropin.py) runs as it is under ``towers run`` and
+``torchrun``, and with torch's imports put back under ``torchrun`` as a real DDP job; each is
+compared with a float64 loop over the global batches the ranks' batches make together.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from exact import Reference, states
+from helpers import unused_port
+from test_examples import run
+from torch import nn
+
+import towers.ddp as dist
+from towers.api.sampler import DistributedSampler
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "ddp_dropin.py"
+TOWERS_IMPORTS = (
+    "import towers.ddp as dist  # towers\n"
+    "from towers.ddp import DistributedDataParallel as DDP  # towers\n"
+    "from towers.ddp import DistributedSampler  # towers\n"
+)
+TORCH_IMPORTS = (
+    "import torch.distributed as dist\n"
+    "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+    "from torch.utils.data.distributed import DistributedSampler\n"
+)
+
+
+def example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ddp_dropin", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def dropin_reference(world: int, samples: int, batch: int = 16, epochs: int = 3) -> Reference:
+    """One process over the global batches of the example's ranks: each epoch's shuffled order
+    in chunks of ``world * batch``, without a last chunk of fewer than ``world`` samples (the
+    sampler leaves those out rather than leave a rank a batch short)."""
+    ex = example()
+    data = ex.make_dataset(samples)
+    tail = samples % (world * batch)
+    kept = samples - tail if 0 < tail < world else samples
+
+    def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
+        model = ex.make_model().to(dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        x, y = data.tensors[0].to(dtype), data.tensors[1]
+        for epoch in range(epochs):
+            order = torch.randperm(samples, generator=torch.Generator().manual_seed(1 + epoch))
+            for start in range(0, kept, world * batch):
+                idx = order[start : min(start + world * batch, kept)]
+                nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+            schedule.step()
+        return model, []
+
+    return Reference.run(loop)
+
+
+def launch(tmp_path: Path, script: Path, ranks: int, launcher: str, *flags: str) -> str:
+    if launcher == "towers":
+        args = ["-m", "towers", "run", str(script), "-n", str(ranks), "--", *flags]
+    else:
+        args = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+        args += ["--master-port", str(unused_port()), str(script), *flags]
+    result = run([sys.executable, *args], tmp_path, timeout=100)
+    assert result.returncode == 0, result.stdout
+    return result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_dropin_equals_one_process_where_ddp_with_its_padding_does_not(tmp_path: Path):
+    """1001 samples on 2 ranks: towers is as close to the float64 loop as a float32 process;
+    the same script with torch's imports (DDP and torch's sampler) is orders of magnitude off."""
+    text = EXAMPLE.read_text()
+    assert text.count(TOWERS_IMPORTS) == 1  # the port is these three lines
+    ddp_script = tmp_path / "ddp_torch.py"
+    ddp_script.write_text(text.replace(TOWERS_IMPORTS, TORCH_IMPORTS))
+    launch(tmp_path, EXAMPLE, 2, "towers", "--out", str(tmp_path / "towers.pt"))
+    launch(tmp_path, ddp_script, 2, "torchrun", "--out", str(tmp_path / "ddp.pt"))
+    reference = dropin_reference(world=2, samples=1001)
+    reference.check(torch.load(tmp_path / "towers.pt"), "towers.ddp on 2 ranks")
+    ddp = states(torch.load(tmp_path / "ddp.pt"))
+    off = max(float((ddp[n].double() - t).abs().max()) for n, t in reference.exact.items())
+    single = max(float((reference.single[n] - t).abs().max()) for n, t in reference.exact.items())
+    assert off > 1000 * single, f"DDP is {off:.2g} from one process, a float32 loop {single:.2g}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_dropin_under_torchrun_leaves_out_a_tail_that_would_leave_a_rank_short(
+    tmp_path: Path,
+):
+    """993 samples, 2 ranks of 16: the last global batch would be 1 sample, a batch for rank 0
+    and none for rank 1; the sampler leaves it out, every epoch, and the run stays exact."""
+    out = launch(tmp_path, EXAMPLE, 2, "torchrun", "--samples", "993", "--out", f"{tmp_path}/a.pt")
+    assert "mean loss over 993 samples" in out
+    dropin_reference(world=2, samples=993).check(torch.load(tmp_path / "a.pt"), "993 on 2")
+
+
+@pytest.mark.timeout(90)
+def test_ranks_that_run_out_first_join_and_end_with_the_others_state(tmp_path: Path):
+    """tests/scripts/ddp_join.py: rank 0 takes 3 steps, rank 1 two, each of two micro-batches
+    (the first under no_sync); both end with the parameters one process gets from the steps'
+    batches put together, and with the same optimizer state."""
+    script = ROOT / "tests" / "scripts" / "ddp_join.py"
+    launch(tmp_path, script, 2, "towers", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("ddp_join", script)
+    assert spec is not None and spec.loader is not None
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    per_rank = [job.batches(0), job.batches(1)]
+
+    def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
+        model = job.make_model().to(dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            micro = [b for rank in per_rank if step < len(rank) for b in rank[step]]
+            x = torch.cat([x for x, _ in micro]).to(dtype)
+            y = torch.cat([y for _, y in micro]).to(dtype)
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return model, []
+
+    reference = Reference.run(loop)
+    saved = [torch.load(tmp_path / f"rank-{r}.pt") for r in range(2)]
+    for rank, state in enumerate(saved):
+        reference.check(state["model"], f"rank {rank}")
+    momentum = [s["optimizer"]["state"] for s in saved]
+    assert momentum[0].keys() == momentum[1].keys() and momentum[0]
+    for key in momentum[0]:
+        assert torch.equal(momentum[0][key]["momentum_buffer"], momentum[1][key]["momentum_buffer"])
+
+
+def test_the_sampler_deals_every_sample_once_in_torch_s_order():
+    """torch's permutation and rank-strided dealing, without its padding."""
+    data = list(range(11))
+    ours = [list(DistributedSampler(data, 3, r, seed=5)) for r in range(3)]
+    theirs = [
+        list(torch.utils.data.distributed.DistributedSampler(data, 3, r, seed=5)) for r in range(3)
+    ]
+    assert (
+        sorted(i for part in ours for i in part) == data
+    )  # every sample once (torch's repeats one)
+    assert [len(x) for x in ours] == [4, 4, 3] and [len(x) for x in theirs] == [4, 4, 4]
+    assert all(t[: len(o)] == o for o, t in zip(ours, theirs))
+    dropped = [list(DistributedSampler(data, 3, r, seed=5, drop_last=True)) for r in range(3)]
+    assert dropped == [t[:3] for t in theirs] and [len(DistributedSampler(data, 3, 0))] == [4]
+
+
+@pytest.fixture
+def job_of_one():
+    """``init_process_group`` in this process, with no launcher: a job of one."""
+    dist.init_process_group("gloo")
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_job_of_one_trains_as_the_plain_module(job_of_one):
+    torch.manual_seed(0)
+    plain = nn.Linear(3, 2)
+    model = dist.DistributedDataParallel(nn.Linear(3, 2).requires_grad_(True))
+    model.module.load_state_dict(plain.state_dict())
+    x = torch.randn(5, 3)
+    for m in (plain, model):
+        m(x).square().mean().backward()
+    assert dist.get_rank() == 0 and dist.get_world_size() == 1
+    # the mean's gradient times 5 samples, over 5: a float32 rounding or two from the plain one
+    torch.testing.assert_close(model.module.weight.grad, plain.weight.grad)
+    assert model.require_backward_grad_sync
+    with model.no_sync():
+        assert not model.require_backward_grad_sync
+
+
+def test_ddp_s_arguments_that_cannot_hold_are_refused(job_of_one):
+    with pytest.raises(ValueError, match="trains over the whole job: pass no process_group"):
+        dist.DistributedDataParallel(nn.Linear(2, 2), process_group=object())
+    with pytest.raises(ValueError, match=r"device_ids=\[0\], but this rank computes on cpu"):
+        dist.DistributedDataParallel(nn.Linear(2, 2), device_ids=[0])
+    with pytest.raises(ValueError, match="one device per rank"):
+        dist.DistributedDataParallel(nn.Linear(2, 2), device_ids=[0, 1])
+    with pytest.raises(RuntimeError, match=r"init_process_group\(\) was called twice"):
+        dist.init_process_group("gloo")
+
+
+def test_a_model_wrapped_before_the_job_is_joined_is_refused():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"call towers.ddp.init_process_group\(\) first"):
+        dist.DistributedDataParallel(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="joins the job its launcher describes"):
+        dist.init_process_group("gloo", init_method="tcp://10.0.0.1:23456")
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
+        dist.init_process_group("mpi")
+    assert not dist.is_initialized()
