@@ -135,6 +135,8 @@ def get_world_size() -> int:
 
 
 def barrier() -> None:
+    """Wait for every rank; ranks that ran out of batches first join the others first."""
+    join_all()
     context().barrier()
 
 
