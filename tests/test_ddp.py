@@ -1,8 +1,9 @@
 """``towers.ddp``: a DDP script on towers by its imports, against one process and against DDP.
 
-The drop-in example (examples/ddp_dropin.py) runs as it is under ``towers run`` and
-``torchrun``, and with torch's imports put back under ``torchrun`` as a real DDP job; each is
-compared with a float64 loop over the global batches the ranks' batches make together.
+The drop-in example (examples/ddp_dropin.py) runs as it is under ``torchrun``, and with
+torch's imports put back as a real DDP job; both are compared with a float64 loop over the
+global batches the ranks' batches make together. Ranks that run out of batches first join the
+others under ``towers run``.
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ def dropin_reference(world: int, samples: int, batch: int = 16, epochs: int = 3)
     sampler leaves those out rather than leave a rank a batch short)."""
     ex = example()
     data = ex.make_dataset(samples)
-    tail = samples % (world * batch)
-    kept = samples - tail if 0 < tail < world else samples
+    kept = dropin_reference_kept(samples, world, batch)
 
     def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
         model = ex.make_model().to(dtype)
@@ -72,6 +72,13 @@ def dropin_reference(world: int, samples: int, batch: int = 16, epochs: int = 3)
     return Reference.run(loop)
 
 
+def dropin_reference_kept(samples: int, world: int, batch: int) -> int:
+    """The samples of an epoch the ranks train on: all, but a last global batch of fewer
+    samples than ranks."""
+    tail = samples % (world * batch)
+    return samples - tail if 0 < tail < world else samples
+
+
 def launch(tmp_path: Path, script: Path, ranks: int, launcher: str, *flags: str) -> str:
     if launcher == "towers":
         args = ["-m", "towers", "run", str(script), "-n", str(ranks), "--", *flags]
@@ -86,13 +93,14 @@ def launch(tmp_path: Path, script: Path, ranks: int, launcher: str, *flags: str)
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_dropin_equals_one_process_where_ddp_with_its_padding_does_not(tmp_path: Path):
-    """1001 samples on 2 ranks: towers is as close to the float64 loop as a float32 process;
-    the same script with torch's imports (DDP and torch's sampler) is orders of magnitude off."""
+    """1001 samples on 2 ranks under torchrun: towers is as close to the float64 loop as a
+    float32 process; the same script with torch's imports (DDP and torch's sampler) is orders
+    of magnitude off."""
     text = EXAMPLE.read_text()
     assert text.count(TOWERS_IMPORTS) == 1  # the port is these three lines
     ddp_script = tmp_path / "ddp_torch.py"
     ddp_script.write_text(text.replace(TOWERS_IMPORTS, TORCH_IMPORTS))
-    launch(tmp_path, EXAMPLE, 2, "towers", "--out", str(tmp_path / "towers.pt"))
+    launch(tmp_path, EXAMPLE, 2, "torchrun", "--out", str(tmp_path / "towers.pt"))
     launch(tmp_path, ddp_script, 2, "torchrun", "--out", str(tmp_path / "ddp.pt"))
     reference = dropin_reference(world=2, samples=1001)
     reference.check(torch.load(tmp_path / "towers.pt"), "towers.ddp on 2 ranks")
@@ -100,18 +108,6 @@ def test_the_dropin_equals_one_process_where_ddp_with_its_padding_does_not(tmp_p
     off = max(float((ddp[n].double() - t).abs().max()) for n, t in reference.exact.items())
     single = max(float((reference.single[n] - t).abs().max()) for n, t in reference.exact.items())
     assert off > 1000 * single, f"DDP is {off:.2g} from one process, a float32 loop {single:.2g}"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_the_dropin_under_torchrun_leaves_out_a_tail_that_would_leave_a_rank_short(
-    tmp_path: Path,
-):
-    """993 samples, 2 ranks of 16: the last global batch would be 1 sample, a batch for rank 0
-    and none for rank 1; the sampler leaves it out, every epoch, and the run stays exact."""
-    out = launch(tmp_path, EXAMPLE, 2, "torchrun", "--samples", "993", "--out", f"{tmp_path}/a.pt")
-    assert "mean loss over 993 samples" in out
-    dropin_reference(world=2, samples=993).check(torch.load(tmp_path / "a.pt"), "993 on 2")
 
 
 @pytest.mark.timeout(90)
@@ -163,6 +159,25 @@ def test_the_sampler_deals_every_sample_once_in_torch_s_order():
     assert all(t[: len(o)] == o for o, t in zip(ours, theirs))
     dropped = [list(DistributedSampler(data, 3, r, seed=5, drop_last=True)) for r in range(3)]
     assert dropped == [t[:3] for t in theirs] and [len(DistributedSampler(data, 3, 0))] == [4]
+
+
+def test_a_last_global_batch_of_fewer_samples_than_ranks_is_left_out(monkeypatch):
+    """993 samples on 2 ranks of 16: the last global batch would be 1 sample, a batch for rank
+    0 and none for rank 1 (the ranks would reach their next collective a step apart). Once a
+    forward has told the batch size, the sampler leaves that sample out; before, it deals it."""
+    from towers.api import ddp
+
+    data = list(range(993))
+    before = [list(DistributedSampler(data, 2, r, seed=3)) for r in range(2)]
+    assert [len(x) for x in before] == [497, 496]
+    monkeypatch.setattr(ddp, "_batch", 16)
+    after = [list(DistributedSampler(data, 2, r, seed=3)) for r in range(2)]
+    assert [len(x) for x in after] == [496, 496] and after[1] == before[1]
+    assert after[0] == before[0][:496]
+    assert dropin_reference_kept(993, 2, 16) == 992
+    # 1001 = 31 x 32 + 9: a last global batch of 9, uneven (5 and 4) but every rank has one
+    monkeypatch.setattr(ddp, "_batch", 16)
+    assert [len(list(DistributedSampler(list(range(1001)), 2, r))) for r in range(2)] == [501, 500]
 
 
 @pytest.fixture
