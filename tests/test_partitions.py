@@ -169,7 +169,7 @@ def test_a_dropped_worker_stops_with_one_line_saying_when_and_why():
     store = serve_store("127.0.0.1", port, 10, None)
     store.set(protocol.generation(0, "members"), "[0]")
     store.set(protocol.lost(1), protocol.Lost(0, "node 1's towers run was silent for 5 s").dumps())
-    member = Membership("127.0.0.1", port, 1, 10)
+    member = Membership("127.0.0.1", port, 1, 10).start()
     try:
         with pytest.raises(Dropped) as dropped:
             member.enter(0)
@@ -180,6 +180,40 @@ def test_a_dropped_worker_stops_with_one_line_saying_when_and_why():
     assert str(dropped.value) == (
         f"towers: worker 1 was dropped from the job at {when} (node 1's towers run was silent "
         "for 5 s); the others train on without it. This worker stops"
+    )
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_store_dies_raises_job_lost_in_its_main_thread():
+    """The heartbeat finds the store gone, interrupts the wait in progress, and the worker's
+    next call to its membership raises JobLost (a SystemExit with the line saying why) in the
+    main thread: no thread of the library ends the process."""
+    from towers.comm.membership import JobLost, Membership
+    from towers.comm.net import free_port
+
+    port = free_port("127.0.0.1")
+    serve = "import sys, time; from towers.processes.elastic_members import serve_store; "
+    serve += f"s = serve_store('127.0.0.1', {port}, 30, None); print('up', flush=True); "
+    serve += "time.sleep(60)"
+    server = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "up\n"
+        member = Membership("127.0.0.1", port, 3, 3).start()
+        member.generation = 0  # beating for a generation: every beat reads the store
+        server.kill()
+        server.wait()
+        # a beat every 0.2 s meets the closed port at once; 30 s is a margin for a busy machine
+        assert member.interrupt.wait(30), "the heartbeat never noticed the store was gone"
+    finally:
+        server.kill()
+        server.wait()
+    with pytest.raises(JobLost) as lost:
+        member.enter(1)
+    member.close()
+    assert isinstance(lost.value, SystemExit) and lost.value.code is not None
+    assert str(lost.value).startswith(
+        "towers: worker 3 lost the job's supervisor (the caller of train, or towers run: its "
+        f"store at 127.0.0.1:{port} stopped answering at "
     )
 
 

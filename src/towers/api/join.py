@@ -81,7 +81,7 @@ def init(
     if not launch.elastic:
         plain = connect(launch, timeout=timeout, transport=parsed, device=placement.kind)
         return Context(PlainGroup(plain))
-    elastic = ElasticConnection(launch, parsed, timeout, joining=launch.joining)
+    elastic = ElasticConnection(launch, parsed, timeout, joining=launch.joining).start()
     group = ElasticGroup(elastic)
     if not elastic.joining:
         group.join()  # rank and world size are known from here on

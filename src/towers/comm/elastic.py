@@ -34,11 +34,15 @@ class ElasticConnection:
 
     ``launch`` gives the worker's id (its ``RANK``), the supervisor's store (``MASTER_ADDR``,
     ``MASTER_PORT``) and the number of nodes; ``joining`` is true for a replacement started
-    mid-run.
+    mid-run. :meth:`start` connects.
     """
 
     def __init__(
-        self, launch: Launch, transport: Transport, timeout: float | None, joining: bool = False
+        self,
+        launch: Launch,
+        transport: Transport,
+        timeout: float | None,
+        joining: bool = False,
     ):
         self.transport = transport
         timeout = check_timeout(timeout)
@@ -55,6 +59,11 @@ class ElasticConnection:
         self.generation = -1
         self.members: list[int] = []
         self._graves = Graves(self.timeout)  # abandoned groups, until their work has ended
+
+    def start(self) -> ElasticConnection:
+        """Connect to the job's store and start the heartbeat; returns itself."""
+        self.membership.start()
+        return self
 
     def join(self, generation: int) -> None:
         """Leave the current group and form ``generation``'s (or a later one's, if it fails).

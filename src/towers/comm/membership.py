@@ -41,7 +41,6 @@ import functools
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -75,6 +74,11 @@ class Dropped(SystemExit):
     a dropped worker training as a ghost, and the script ends with the one line that says why
     instead of a traceback.
     """
+
+
+class JobLost(SystemExit):
+    """The job's store stopped answering (the supervisor died, or a partition cut this worker
+    off): a ``SystemExit`` with the line saying why, for :class:`Dropped`'s reason."""
 
 
 class JoinRefused(SystemExit):
@@ -246,6 +250,9 @@ class Membership:
         timeout: seconds to wait for a generation to be published or its members to arrive.
         secret: the job's secret, which signs the membership records.
         node: this worker's node, in a job across hosts (its lines then say where it runs).
+
+    :meth:`start` connects and starts the heartbeat. If the store stops answering, the heartbeat
+    interrupts the wait in progress and the next call here raises :class:`JobLost`.
     """
 
     def __init__(
@@ -262,19 +269,26 @@ class Membership:
         self.here = "" if node is None else f" on node {node} (host {socket.gethostname()})"
         self.timeout = timeout
         self.secret = secret
-        self.store = open_store(addr, port, timeout, secret)
+        self.lost: str | None = None  # why the job was lost, once it was
+        self.addr, self.port = addr, port
+        self.where = f"{addr}:{port}"
         self.interrupt = threading.Event()  # a member of the current generation was lost
         self.generation = -1
         self._regroup = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.where = f"{addr}:{port}"
+        self._thread = threading.Thread(target=self._beat, name="towers-heartbeat", daemon=True)
+
+    def start(self) -> Membership:
+        """Connect to the job's store and start beating; returns itself."""
+        addr, port, timeout, secret = self.addr, self.port, self.timeout, self.secret
+        self.store = open_store(addr, port, timeout, secret)
         # The store client is not shared across threads: the heartbeat has its own.
         beat, self._cut = own_client(addr, port, timeout, secret)
         self._beat_store = WatchedStore(beat, timeout, self._cut_off)
-        self._beat_store.add(protocol.heartbeat(wid), 1)
-        self._thread = threading.Thread(target=self._beat, name="towers-heartbeat", daemon=True)
+        self._beat_store.add(protocol.heartbeat(self.id), 1)
         self._thread.start()
+        return self
 
     def _beat(self) -> None:
         store = self._beat_store
@@ -294,16 +308,14 @@ class Membership:
                 if self._stop.is_set():
                     return
                 # The store lives in the supervisor: without it this worker would train on as
-                # a ghost, so it ends now.
-                print(
+                # a ghost.
+                self._lose(
                     f"towers: worker {self.id}{self.here} lost the job's supervisor (the caller of "
                     f"train, or towers run: its store at {self.where} stopped answering at "
                     f"{clock(store.answered)}: {str(exc).splitlines()[0] if str(exc) else exc!r}); "
-                    "stopping",
-                    file=sys.stderr,
-                    flush=True,
+                    "stopping"
                 )
-                os._exit(1)
+                return
             with self._lock:
                 if g == self.generation:
                     if failed:
@@ -312,15 +324,23 @@ class Membership:
 
     def _cut_off(self, since: float) -> None:
         """The heartbeat's call has not returned within the timeout: a partition, or a stop."""
-        print(
+        self._lose(
             f"towers: worker {self.id}{self.here} lost contact with the job at {clock(since)}: the "
             f"job's store at {self.where} has not answered for {self.timeout:g} s (the timeout); "
             "a network partition, or the store's host stopped. This worker stops (the job drops "
-            "it and trains on without it)",
-            file=sys.stderr,
-            flush=True,
+            "it and trains on without it)"
         )
-        os._exit(1)
+
+    def _lose(self, line: str) -> None:
+        """The job is lost (``line`` says how): interrupt the main thread's wait."""
+        if self.lost is None:
+            self.lost = line
+        self.interrupt.set()
+
+    def check(self) -> None:
+        """Raise :class:`JobLost` in the main thread if the heartbeat found the job lost."""
+        if self.lost is not None:
+            raise JobLost(self.lost)
 
     @property
     def regroup_wanted(self) -> bool:
@@ -329,6 +349,7 @@ class Membership:
 
     def failure(self, generation: int) -> tuple[list[int], float] | None:
         """The ids lost in ``generation`` and when, or ``None`` if it did not fail."""
+        self.check()
         text = get_signed(self.store, self.secret, protocol.generation(generation, "failed"))
         if text is None:
             return None
@@ -393,7 +414,9 @@ class Membership:
         Raises:
             Dropped: if this worker is not a member (it was declared lost).
             PeerTimeout: if the members do not all arrive within the timeout.
+            JobLost: if the job's store stopped answering this worker.
         """
+        self.check()
         while True:
             members = self.members(generation)
             if self.id not in members:

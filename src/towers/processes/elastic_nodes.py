@@ -62,6 +62,7 @@ from ..core.secret import JobSecret
 from .elastic_members import Generations, serve_store
 from .elastic_workers import Worker
 from .env import worker_env
+from .lifeline import end_now
 from .spawn import WorkerError
 
 __all__ = ["NodeDropped", "NodeRefused", "Nodes"]
@@ -226,22 +227,19 @@ class Nodes:
         """Node 0's store has not answered for the timeout: stop this node's workers, and exit.
 
         Called on the store's watch thread while the supervisor waits for an answer that may
-        never come, so it ends the process itself.
+        never come, so it ends the process itself (:func:`~towers.processes.lifeline.end_now`).
         """
         workers = sorted(self.running)
         for handle in list(self.running.values()):
             with contextlib.suppress(OSError):
                 os.kill(handle.pid, signal.SIGKILL)
-        print(
+        end_now(
             f"towers run (node {self.node}, host {socket.gethostname()}): lost contact with the "
             f"job at {clock(since)}: node 0's store at {self.addr}:{self.port} has not answered "
             f"for {self.timeout:g} s (the timeout); a network partition, or node 0 stopped. This "
             f"node's workers {workers} are stopped (node 0 drops a node silent for "
-            f"{self.silence:g} s, and the others train on)",
-            file=sys.stderr,
-            flush=True,
+            f"{self.silence:g} s, and the others train on)"
         )
-        os._exit(1)
 
     def dropped(self, wid: int) -> bool:
         return bool(self.store.check([protocol.lost(wid)]))

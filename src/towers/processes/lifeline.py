@@ -21,11 +21,19 @@ import ctypes.util
 import os
 import select
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["Terminated", "die_with_parent", "sigterm_interrupts", "stopped_line", "watch_caller"]
+__all__ = [
+    "Terminated",
+    "die_with_parent",
+    "end_now",
+    "sigterm_interrupts",
+    "stopped_line",
+    "watch_caller",
+]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -55,6 +63,15 @@ def watch_caller(fd: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="towers-lifeline", daemon=True).start()
+
+
+def end_now(line: str) -> None:
+    """End this process now, saying why on standard error, from whichever thread noticed that
+    it has lost its job (the job's store stopped answering). No cleanup runs: the main thread
+    may be blocked on a call that will never return, and a worker that trained on would be a
+    ghost beside the job that dropped it."""
+    print(line, file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:

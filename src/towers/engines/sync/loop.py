@@ -312,7 +312,7 @@ def sync_loop(job: Job, conn: Connection, resume: dict[str, Any] | None) -> Engi
 
 def elastic_loop(job: Job, resume: dict[str, Any] | None, joining: bool) -> EngineResult:
     """Train ``job`` as one elastic worker; every worker returns the (identical) result."""
-    conn = ElasticConnection(read_launch(), job.transport, job.timeout, joining)
+    conn = ElasticConnection(read_launch(), job.transport, job.timeout, joining).start()
     group = ElasticGroup(conn)
     try:
         run = _Run(job, group, conn.id, resume)
