@@ -12,6 +12,7 @@ import functools
 import math
 import random
 import signal
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,7 +21,17 @@ from torch import nn
 
 import towers
 from towers.core.codecs import CODECS, FP16_TARGET
-from towers.engines.transforms import PowerSGD, compressible, compression
+from towers.engines.transforms import (
+    PowerSGD,
+    PowerSGDState,
+    TopKState,
+    chain,
+    compressible,
+    compression,
+    loaded_state,
+    saved_state,
+    topk,
+)
 
 STEPS = 60
 
@@ -195,14 +206,35 @@ def test_survivors_keep_their_residuals_and_a_newcomer_gets_the_shared_part():
     peer, me = SyncDriver(group, PowerSGD(2)), SyncDriver(group, PowerSGD(2))
     peer.replicate(mlp())
     me.replicate(mlp())
-    peer.state = {**peer.state, "steps": 40, "error": [torch.ones(3)] * len(peer.state["error"])}
-    mine = {**me.state, "steps": 40, "error": [torch.full((3,), 7.0)] * len(me.state["error"])}
+    peer.state = replace(peer.state, steps=40, error=[torch.ones(3)] * len(peer.state.error))
+    mine = replace(me.state, steps=40, error=[torch.full((3,), 7.0)] * len(me.state.error))
     me.state = mine
     me.adopt(peer.snapshot(), newcomer=False)
     assert me.state is mine  # a survivor keeps its own residual
     me.adopt(peer.snapshot(), newcomer=True)
-    assert me.state["steps"] == 40 and me.state["q"] is peer.state["q"]
-    assert all(e is None for e in me.state["error"])
+    assert isinstance(me.state, PowerSGDState)
+    assert me.state.steps == 40 and me.state.q is peer.state.q
+    assert all(e is None for e in me.state.error)
+
+
+def test_a_typed_state_travels_and_is_saved_as_the_dict_earlier_checkpoints_hold():
+    """A transform's state is a typed record in memory and a plain dict on the wire and on disk
+    (what torch.load(weights_only=True) reads); a dict saved before the records existed (no
+    "copied" key) loads into the record."""
+    transform = chain(topk(0.5), PowerSGD(2))
+    earlier = (
+        {"residual": [None, torch.ones(2)], "steps": 7, "last": 1},
+        {"steps": 7, "last": 1, "q": [[torch.ones(2, 2)], []], "error": [None, None]},
+    )
+    state = loaded_state(transform, earlier)
+    assert isinstance(state[0], TopKState) and isinstance(state[1], PowerSGDState)
+    assert state[0].steps == 7 and state[0].copied is None and state[1].q is earlier[1]["q"]
+    saved = saved_state(state)
+    assert saved[0] == {**earlier[0], "copied": None}
+    assert loaded_state(transform, saved) == state
+    stepped = state[0].next(0)  # the step's first bucket copies the lists, the old stay
+    assert stepped.residual is not state[0].residual and stepped.copied == 7
+    assert stepped.next(1).steps == 8 and stepped.next(1).residual is stepped.residual
 
 
 def _residuals_after_steps(transform):
@@ -225,11 +257,11 @@ def test_every_bucket_keeps_its_residual_and_warm_start_across_steps():
     """A step's buckets are reduced before the earlier ones' sums land: the state each bucket
     fills in when its sum lands must be the one the step ends with, for every bucket."""
     first, state = towers.spawn(_residuals_after_steps, 2, PowerSGD(2, start=1))[0]
-    matrices = [i for i, qs in enumerate(first["q"]) if qs]
+    matrices = [i for i, qs in enumerate(first.q) if qs]
     assert len(matrices) == 3  # the three weight matrices, each in its own bucket
     for i in matrices:
-        assert state["error"][i] is not None, f"bucket {i} lost its residual"
-        assert not torch.equal(state["q"][i][0], first["q"][i][0]), f"bucket {i} lost its Q"
+        assert state.error[i] is not None, f"bucket {i} lost its residual"
+        assert not torch.equal(state.q[i][0], first.q[i][0]), f"bucket {i} lost its Q"
     coded = compression("int8")
     first, state = towers.spawn(_residuals_after_steps, 2, coded)[0]
-    assert all(s is not None for s in state["summed"]), state["summed"]
+    assert all(s is not None for s in state.summed), state.summed

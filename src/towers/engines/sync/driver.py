@@ -34,7 +34,13 @@ from ...core.devices import moved
 from ...core.step import StepResult
 from ..broadcast import broadcast_module, terms, verify_same_model
 from ..replica import backward_weighted
-from ..transforms import GradientTransform, check_transform, start_from
+from ..transforms import (
+    GradientTransform,
+    check_transform,
+    loaded_state,
+    saved_state,
+    start_from,
+)
 from .gradsync import BucketPlan, GradientSync, bucket_bytes_for
 from .group import Group
 
@@ -145,7 +151,7 @@ class SyncDriver:
         comm = self.group.comm
         streams = {
             "rng": comm.all_gather_object(torch.get_rng_state()),
-            "transform": comm.all_gather_object(moved(self.state, "cpu")),
+            "transform": comm.all_gather_object(moved(saved_state(self.state), "cpu")),
         }
         if self.device.type == "cuda":  # dropout on a GPU draws from the GPU's generator
             streams["cuda_rng"] = comm.all_gather_object(torch.cuda.get_rng_state(self.device))
@@ -168,9 +174,9 @@ class SyncDriver:
             torch.manual_seed(reseed)
         if states is not None and self.plan is not None:
             if len(states) == comm.world_size:
-                self.state = moved(states[comm.rank], self.device)
+                self.state = loaded_state(self.transform, moved(states[comm.rank], self.device))
             else:
-                first = moved(states[0], self.device)
+                first = loaded_state(self.transform, moved(states[0], self.device))
                 self.state = start_from(self.transform, first, self.plan.layouts)
             self._sync().commit(self.state)
 
@@ -196,7 +202,7 @@ class SyncDriver:
 
     def snapshot(self) -> Any:
         owner = self.owner.snapshot() if self.owner is not None else None
-        return {"owner": owner, "transform": self.state}
+        return {"owner": owner, "transform": saved_state(self.state)}
 
     def terms(self) -> dict[str, Any]:
         assert self.model is not None
@@ -210,7 +216,8 @@ class SyncDriver:
         if self.owner is not None:
             self.owner.adopt(snapshot["owner"])
         if newcomer:  # a survivor keeps its own (an error-feedback residual is its own)
-            self.state = start_from(self.transform, snapshot["transform"], self._plan().layouts)
+            peer = loaded_state(self.transform, snapshot["transform"])
+            self.state = start_from(self.transform, peer, self._plan().layouts)
 
     # -- the step --------------------------------------------------------------------------
 

@@ -13,15 +13,18 @@ from .base import (
     BucketLayout,
     Chain,
     GradientTransform,
+    PerBucketState,
     allreduce,
     chain,
+    loaded_state,
+    saved_state,
     start_from,
     sum_tail,
 )
-from .coded import CodedSum
+from .coded import CodedState, CodedSum
 from .compressions import COMPRESSIONS, Compression, compression
-from .powersgd import PowerSGD, compressible
-from .topk import TopKSum, topk
+from .powersgd import PowerSGD, PowerSGDState, compressible
+from .topk import TopKState, TopKSum, topk
 
 __all__ = [
     "COMPRESSIONS",
@@ -29,16 +32,22 @@ __all__ = [
     "Bucket",
     "BucketLayout",
     "Chain",
+    "CodedState",
     "CodedSum",
     "Compression",
     "GradientTransform",
+    "PerBucketState",
     "PowerSGD",
+    "PowerSGDState",
+    "TopKState",
     "TopKSum",
     "allreduce",
     "chain",
     "check_transform",
     "compressible",
     "compression",
+    "loaded_state",
+    "saved_state",
     "start_from",
     "sum_tail",
     "topk",

@@ -30,8 +30,8 @@ elastic job, starts from given a peer's state; without it a newcomer starts from
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 
 import torch
 
@@ -43,9 +43,11 @@ __all__ = [
     "BucketLayout",
     "Chain",
     "GradientTransform",
+    "PerBucketState",
     "allreduce",
     "chain",
-    "next_state",
+    "loaded_state",
+    "saved_state",
     "start_from",
     "sum_tail",
 ]
@@ -132,20 +134,52 @@ def sum_tail(bucket: Bucket, comm: Comm) -> list[Work]:
     return [] if bucket.tail is None else [comm.all_reduce_sum(bucket.tail)]
 
 
-def next_state(state: dict[str, Any], index: int, lists: Sequence[str]) -> dict[str, Any]:
-    """The state a per-bucket stateful transform returns for bucket ``index`` of a step.
+@dataclass(kw_only=True)
+class PerBucketState:
+    """The state of a transform that keeps something per bucket (a residual, a warm start): a
+    typed record, one subclass per transform, whose per-bucket lists are named in ``LISTS``.
 
-    ``state["steps"]`` counts the steps (at the bucket ``state["last"]``). The per-bucket
-    ``lists`` are copied once per step, by its first bucket: a bucket fills its entry in only
-    when its sum lands, after the step's later buckets were reduced, so those must share the
-    copies rather than copy stale ones; the state before the step stays as it was (an elastic
-    redo starts from it).
+    ``steps`` counts the steps (at the bucket ``last``). It travels and is saved as a plain
+    dict (:meth:`state_dict`, as torch's ``Stateful``), which a checkpoint's safe loader reads
+    and which is what earlier checkpoints hold; :meth:`from_state_dict` reads it back.
     """
-    steps = state.get("steps", 0)
-    new = {**state, "steps": steps + (index == state.get("last", index))}
-    if state.get("copied") != steps:
-        new.update({key: list(state[key]) for key in lists}, copied=steps)
-    return new
+
+    LISTS: ClassVar[tuple[str, ...]] = ()
+    steps: int = 0
+    last: int = 0
+    copied: int | None = None  # the step whose first bucket copied the lists
+
+    def next(self, index: int) -> Self:
+        """The state to return for bucket ``index`` of a step.
+
+        The per-bucket lists are copied once per step, by its first bucket: a bucket fills
+        its entry in only when its sum lands, after the step's later buckets were reduced, so
+        those must share the copies rather than copy stale ones; the state before the step
+        stays as it was (an elastic redo starts from it).
+        """
+        new = replace(self, steps=self.steps + (index == self.last))
+        if self.copied != self.steps:
+            new.copied = self.steps
+            for name in self.LISTS:
+                setattr(new, name, list(getattr(self, name)))
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, saved: dict[str, Any]) -> Self:
+        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
+
+
+def saved_state(state: Any) -> Any:
+    """``state`` as it travels and is saved: typed records as their dicts (a chain's by
+    position), anything else as it is."""
+    if isinstance(state, PerBucketState):
+        return state.state_dict()
+    if isinstance(state, tuple):
+        return tuple(saved_state(s) for s in state)
+    return state
 
 
 class AllReduce:
@@ -211,6 +245,15 @@ def chain(*transforms: GradientTransform) -> Chain:
         >>> towers.transforms.chain(Half(), towers.transforms.allreduce())  # doctest: +SKIP
     """
     return Chain(*transforms)
+
+
+def loaded_state(transform: GradientTransform, saved: Any) -> Any:
+    """The state ``saved`` (:func:`saved_state`'s) as ``transform`` keeps it: its ``State``
+    record, where it has one."""
+    if isinstance(transform, Chain):
+        return tuple(loaded_state(t, s) for t, s in zip(transform.transforms, saved, strict=True))
+    kind = getattr(transform, "State", None)
+    return kind.from_state_dict(saved) if kind is not None and isinstance(saved, dict) else saved
 
 
 def start_from(transform: GradientTransform, peer: Any, layouts: Sequence[BucketLayout]) -> Any:

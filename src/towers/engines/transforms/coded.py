@@ -21,15 +21,16 @@ is applied. The step's metadata (:attr:`Bucket.tail`) is summed exactly beside t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from ...comm.base import Comm
 from ...core.codecs import Codec
-from .base import AllReduce, Bucket, BucketLayout, next_state, sum_tail
+from .base import AllReduce, Bucket, BucketLayout, PerBucketState, sum_tail
 
-__all__ = ["CodedSum"]
+__all__ = ["CodedState", "CodedSum"]
 
 
 def _chunked(x: torch.Tensor, world: int) -> tuple[torch.Tensor, int]:
@@ -42,9 +43,23 @@ def _chunked(x: torch.Tensor, world: int) -> tuple[torch.Tensor, int]:
     return padded, n
 
 
+@dataclass(kw_only=True)
+class CodedState(PerBucketState):
+    """:class:`CodedSum`'s state: per bucket, what this tower's encoding dropped (``sent``)
+    and what its encoding of its chunk of the sum dropped (``summed``); ``at``: the chunk
+    (rank, world) this tower encodes."""
+
+    LISTS: ClassVar[tuple[str, ...]] = ("sent", "summed")
+    sent: list[torch.Tensor | None]
+    summed: list[torch.Tensor | None]
+    at: tuple[int, int] = (0, 0)
+
+
 class CodedSum:
     """The sum over towers with every value encoded by ``codec`` on the wire (module doc);
     ``feedback``: carry what the encoding dropped to the next step."""
+
+    State = CodedState  # what init returns, typed; saved as its dict
 
     def __init__(self, codec: Codec, feedback: bool = False):
         self.codec = codec
@@ -53,24 +68,25 @@ class CodedSum:
     def __repr__(self) -> str:
         return self.codec.name
 
-    def init(self, layouts: Sequence[BucketLayout]) -> dict[str, Any]:
+    def init(self, layouts: Sequence[BucketLayout]) -> CodedState:
         """No residual yet (``None``: zeros of the right length, made at first use)."""
         n = len(layouts)
-        return {"sent": [None] * n, "summed": [None] * n, "at": (0, 0), "steps": 0, "last": n - 1}
+        return CodedState(sent=[None] * n, summed=[None] * n, last=n - 1)
 
-    def reduce(self, state: Any, bucket: Bucket, comm: Comm) -> tuple[Bucket, Any]:
+    def reduce(self, state: CodedState, bucket: Bucket, comm: Comm) -> tuple[Bucket, Any]:
         b = bucket.wait()
         world = comm.world_size
-        new = next_state(state, b.index, ("sent", "summed"))
+        new = state.next(b.index)
         if world == 1 or b.grads.dtype != torch.float32:
             return AllReduce().reduce(None, b, comm)[0], new
         at = (comm.rank, world)  # this rank encodes chunk `rank` of `world` of the sum
-        new["at"] = at
-        if tuple(state["at"]) != at:  # after a regroup: another chunk is this rank's now
-            new["summed"] = [None] * len(new["summed"])
+        new.at = at
+        if tuple(state.at) != at:  # after a regroup: another chunk is this rank's now
+            new.summed = [None] * len(new.summed)
         x = b.grads
-        if self.feedback and new["sent"][b.index] is not None:
-            x = x + new["sent"][b.index]
+        sent = new.sent[b.index]
+        if self.feedback and sent is not None:
+            x = x + sent
         chunks, n = _chunked(x, world)
         size = self.codec.nbytes(n)
         send = torch.empty(world * size, dtype=torch.uint8, device=x.device)
@@ -78,17 +94,18 @@ class CodedSum:
             send[r * size : (r + 1) * size] = self.codec.encode(chunks[r * n : (r + 1) * n])
         if self.feedback:
             dropped = chunks - self._decode_all(send, world, n)
-            new["sent"][b.index] = dropped[: x.numel()].clone()
+            new.sent[b.index] = dropped[: x.numel()].clone()
         received = torch.empty_like(send)
         works = [comm.all_to_all(received, send), *sum_tail(b, comm)]
 
         def gather(done: Bucket) -> Bucket:
             mine = self._decode_all(received, world, n).view(world, n).sum(0)
-            if self.feedback and new["summed"][b.index] is not None:
-                mine = mine + new["summed"][b.index]
+            left = new.summed[b.index]
+            if self.feedback and left is not None:
+                mine = mine + left
             encoded = self.codec.encode(mine)
             if self.feedback:
-                new["summed"][b.index] = mine - self.codec.decode(encoded, n)
+                new.summed[b.index] = mine - self.codec.decode(encoded, n)
             gathered = torch.empty(world * size, dtype=torch.uint8, device=x.device)
             comm.all_gather(gathered, encoded).wait()
             done.grads.copy_(self._decode_all(gathered, world, n)[: done.grads.numel()])

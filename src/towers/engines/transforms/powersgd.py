@@ -24,15 +24,15 @@ Bytes per step: ``(rows + rest) r`` values per compressed matrix instead of ``ro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 
 from ...comm.base import Comm
-from .base import AllReduce, Bucket, BucketLayout, next_state, sum_tail
+from .base import AllReduce, Bucket, BucketLayout, PerBucketState, sum_tail
 
-__all__ = ["MIN_RATE", "PowerSGD", "compressible"]
+__all__ = ["MIN_RATE", "PowerSGD", "PowerSGDState", "compressible"]
 
 MIN_RATE = 2.0  # a matrix is compressed when its factors are at least this many times smaller
 
@@ -72,8 +72,20 @@ def _orthonormal(p: torch.Tensor) -> torch.Tensor:
     return q
 
 
+@dataclass(kw_only=True)
+class PowerSGDState(PerBucketState):
+    """:class:`PowerSGD`'s state: per bucket, each matrix's ``Q`` (the warm start of the next
+    step) and what the approximation left out (``error``, fed back next step)."""
+
+    LISTS: ClassVar[tuple[str, ...]] = ("q", "error")
+    q: list[list[torch.Tensor]]
+    error: list[torch.Tensor | None]
+
+
 class PowerSGD:
     """Rank-``rank`` PowerSGD sums after ``start`` plain steps (module doc)."""
+
+    State = PowerSGDState  # what init returns, typed; saved as its dict
 
     def __init__(self, rank: int, start: int = 10, seed: int = 0):
         self.rank, self.start, self.seed = rank, start, seed
@@ -85,28 +97,29 @@ class PowerSGD:
     def __getstate__(self) -> dict[str, Any]:
         return {"rank": self.rank, "start": self.start, "seed": self.seed, "_plans": {}}
 
-    def init(self, layouts: Sequence[BucketLayout]) -> dict[str, Any]:
+    def init(self, layouts: Sequence[BucketLayout]) -> PowerSGDState:
         self._plans = {lay.index: _plan(lay, self.rank) for lay in layouts}
         qs = []
         for lay in layouts:
             g = torch.Generator().manual_seed(self.seed + lay.index)
             shapes = [(rest, self.rank) for _, _, _, rest in self._plans[lay.index].matrices]
             qs.append([torch.randn(s, generator=g).to(lay.device) for s in shapes])
-        return {"steps": 0, "last": len(layouts) - 1, "q": qs, "error": [None] * len(layouts)}
+        return PowerSGDState(last=len(layouts) - 1, q=qs, error=[None] * len(layouts))
 
-    def handover(self, state: dict[str, Any]) -> dict[str, Any]:
+    def handover(self, state: PowerSGDState) -> PowerSGDState:
         """A newcomer shares the step count and ``Q``; its residual starts empty."""
-        return {**state, "error": [None] * len(state["error"])}
+        return replace(state, error=[None] * len(state.error))
 
-    def reduce(self, state: Any, bucket: Bucket, comm: Comm) -> tuple[Bucket, Any]:
+    def reduce(self, state: PowerSGDState, bucket: Bucket, comm: Comm) -> tuple[Bucket, Any]:
         b = bucket.wait()
-        new = next_state(state, b.index, ("q", "error"))
+        new = state.next(b.index)
         plan = self._plans[b.index]
-        if state["steps"] < self.start or not plan.matrices or comm.world_size == 1:
+        if state.steps < self.start or not plan.matrices or comm.world_size == 1:
             return AllReduce().reduce(None, b, comm)[0], new
-        m = b.grads if state["error"][b.index] is None else b.grads + state["error"][b.index]
+        fed = state.error[b.index]  # what the last step left out
+        m = b.grads if fed is None else b.grads + fed
         mats = [m[a:z].view(rows, rest) for a, z, rows, rest in plan.matrices]
-        ps = [mat @ q for mat, q in zip(mats, state["q"][b.index])]
+        ps = [mat @ q for mat, q in zip(mats, state.q[b.index])]
         tail = b.tail if b.tail is not None and b.tail.dtype == torch.float32 else None
         first = torch.cat([*(p.reshape(-1) for p in ps), m[plan.plain.to(m.device)]])
         if tail is not None:
@@ -134,8 +147,8 @@ class PowerSGD:
                 done.grads[a:z] = approx
                 error[a:z] -= approx / comm.world_size
             error[plan.plain.to(m.device)] = 0.0
-            new["q"][b.index] = q_sums  # the next step's start (warm start)
-            new["error"][b.index] = error
+            new.q[b.index] = q_sums  # the next step's start (warm start)
+            new.error[b.index] = error
             return done
 
         return b.after(works).then(second), new

@@ -24,15 +24,24 @@ a replacement worker in an elastic job starts with none.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from ...comm.base import Comm
 from ...core.codecs import TOPK_BITS, TOPK_CHUNK, TopKCodec
-from .base import AllReduce, Bucket, BucketLayout, next_state, sum_tail
+from .base import AllReduce, Bucket, BucketLayout, PerBucketState, sum_tail
 
-__all__ = ["TopKSum", "topk"]
+__all__ = ["TopKState", "TopKSum", "topk"]
+
+
+@dataclass(kw_only=True)
+class TopKState(PerBucketState):
+    """:class:`TopKSum`'s state: per bucket, what the top-k left out (fed back, decayed)."""
+
+    LISTS: ClassVar[tuple[str, ...]] = ("residual",)
+    residual: list[torch.Tensor | None]
 
 
 class TopKSum:
@@ -45,6 +54,8 @@ class TopKSum:
         topk:0.02:2
     """
 
+    State = TopKState  # what init returns, typed; saved as its dict
+
     def __init__(self, share: float, bits: int = 32, decay: float = 1.0, chunk: int = TOPK_CHUNK):
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay!r}")
@@ -54,24 +65,24 @@ class TopKSum:
     def __repr__(self) -> str:
         return self.codec.name + ("" if self.decay == 1.0 else f" (decay {self.decay!r})")
 
-    def init(self, layouts: Sequence[BucketLayout]) -> dict[str, Any]:
+    def init(self, layouts: Sequence[BucketLayout]) -> TopKState:
         """No residual yet (``None``: zeros, made at first use)."""
         n = len(layouts)
-        return {"residual": [None] * n, "steps": 0, "last": n - 1}
+        return TopKState(residual=[None] * n, last=n - 1)
 
-    def reduce(self, state: Any, bucket: Bucket, comm: Comm) -> tuple[Bucket, Any]:
+    def reduce(self, state: TopKState, bucket: Bucket, comm: Comm) -> tuple[Bucket, Any]:
         b = bucket.wait()
-        new = next_state(state, b.index, ("residual",))
+        new = state.next(b.index)
         world = comm.world_size
         if world == 1:  # nothing travels: the sum is this tower's values, exactly
             return AllReduce().reduce(None, b, comm)[0], new
         n = b.grads.numel()
         values = b.grads.float()
-        residual = state["residual"][b.index]
+        residual = state.residual[b.index]
         if residual is not None:
             values = residual * self.decay + values
         payload = self.codec.encode(values)
-        new["residual"][b.index] = values - self.codec.decode(payload, n)
+        new.residual[b.index] = values - self.codec.decode(payload, n)
         size = payload.numel()
         gathered = torch.empty(world * size, dtype=torch.uint8, device=payload.device)
         works = [comm.all_gather(gathered, payload), *sum_tail(b, comm)]
