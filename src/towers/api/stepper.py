@@ -17,7 +17,6 @@ the step's result (``ctx.last``) has its shard sizes and skips, and its loss is 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -148,28 +147,22 @@ class Stepper:
             raise RuntimeError("call ctx.replicate(model) before ctx.backward() or ctx.step()")
         weight = self.weight(samples)
         self.check_no_stale_grads()
-        state, stamp = self.state, self._stamp()
-        calling(f"{'ctx.step' if optimizer is not None else 'ctx.backward'} (step {state.steps})")
+        stamp = self._stamp()
+        calling(
+            f"{'ctx.step' if optimizer is not None else 'ctx.backward'} (step {self.state.steps})"
+        )
 
         def one() -> StepResult:  # attempted, and redone in an elastic job
             self.runner.arm()
             self.backward(loss, weight, scaler)
             return self._complete(optimizer, stamp)
 
-        before = state.steps
         try:
-            result = self.runner.attempt(one)
+            result = self.runner.step(one, self.last)
         finally:
             self._done()
-        if result is not None:
-            outer = self.runner.exchange(final=False)
-            self.runner.land()  # the steps' results, and the exchange's, steer the split
-            return result if outer is None else outer
-        self.driver.zero_grad()
-        if state.steps > before and self.last.result is not None:  # a peer had completed it
-            return self.last.result
-        self.redo = True
-        return StepResult(math.nan, [], [], skipped=True, redo=True)
+        self.redo = result.redo
+        return result
 
     def join(self) -> int:
         """Take empty steps beside the other ranks' until every rank has run out of batches

@@ -23,6 +23,7 @@ it, from the state the members agreed on, after a lost peer.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -35,7 +36,7 @@ from ...core.step import StepResult
 from .driver import SyncDriver
 from .group import Group
 from .plan import Landed
-from .state import RunState
+from .state import LastResult, RunState
 
 __all__ = ["StepRunner"]
 
@@ -60,6 +61,26 @@ class StepRunner:
             return self.group.attempt(self.driver, work)
         finally:
             self.began = None
+
+    def step(self, work: Callable[[], StepResult], last: LastResult) -> StepResult:
+        """A whole step of the own loop: ``work`` (arm, backward, :meth:`complete`) inside the
+        group's attempt, then the exchange it owes and the landing of the results.
+
+        Returns the step's result (the outer step's, where the step ended a DiLoCo period); in
+        an elastic job that lost a peer, the result a peer had already completed (``last``,
+        as the members agreed), or else a result with ``redo=True``: nothing was updated, and
+        the caller trains the same global batch again.
+        """
+        before = self.state.steps
+        result = self.attempt(work)
+        if result is not None:
+            outer = self.exchange(final=False)
+            self.land()  # the steps' results, and the exchange's, steer the split
+            return result if outer is None else outer
+        self.driver.zero_grad()
+        if self.state.steps > before and last.result is not None:  # a peer had completed it
+            return last.result
+        return StepResult(math.nan, [], [], skipped=True, redo=True)
 
     # -- one step --------------------------------------------------------------------------
 
