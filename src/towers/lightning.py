@@ -1,0 +1,141 @@
+"""Lightning's ``Trainer`` on towers: ``import towers.lightning``, then
+``Trainer(strategy="towers")``.
+
+The strategy is Lightning's DDP strategy with towers' pieces in DDP's places (the drop-in of
+:mod:`towers.ddp`, so the step is the own loop's one runner): each rank's gradient is weighted
+by the samples of its batch, and the sampler Lightning puts in a distributed loader deals every
+sample once instead of padding the dataset. A ``LightningModule`` then ends with the
+parameters one device gets on the same global batches, uneven last batch included, where
+Lightning's ``ddp`` averages the ranks' means over a padded dataset.
+
+Example:
+    >>> import towers.lightning  # registers "towers"
+    >>> trainer = lightning.pytorch.Trainer(strategy="towers", accelerator="cpu", devices=2)
+    ... # doctest: +SKIP
+
+``TowersStrategy(compress="int8")`` passes towers' options on. Lightning starts the ranks itself
+(``devices=N``: it runs the script once per rank), or runs under ``torchrun`` and ``towers run``
+as its DDP does. See docs/lightning.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Generator
+from typing import Any
+
+try:
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.utilities.data import _update_dataloader
+except ImportError as exc:  # pragma: no cover - the extra is not installed
+    raise ImportError(
+        "towers.lightning needs Lightning: pip install 'towers-dp[lightning]' (lightning>=2.4)"
+    ) from exc
+from torch import Tensor
+from torch.utils.data import DataLoader
+from torch.utils.data import distributed as torch_distributed
+
+from . import ddp
+from .api.ddp import join_all
+
+__all__ = ["TowersStrategy"]
+
+
+class TowersStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` with towers' sample-weighted step and unpadded sampler.
+
+    Args:
+        compress: a compression by name, as ``towers.train``'s (``"bf16"``, ``"int8"``,
+            ``"powersgd:R"``, ...).
+        sync_batchnorm: BatchNorm over the whole global batch (towers' own, exact).
+        **kwargs: ``DDPStrategy``'s (``start_method``, ``timeout``, ``process_group_backend``,
+            the cluster environment, ...).
+    """
+
+    strategy_name = "towers"
+
+    def __init__(self, *, compress: str | None = None, sync_batchnorm: bool = False, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._compress, self._sync_batchnorm = compress, sync_batchnorm
+
+    def setup_distributed(self) -> None:
+        """Join the job as the launcher placed this rank (Lightning's own, torchrun or towers
+        run): towers reads the torchrun variables, which Lightning's launcher only partly sets."""
+        self.set_world_ranks()
+        env = self.cluster_environment
+        assert env is not None
+        os.environ.update(
+            RANK=str(self.global_rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.num_processes),
+            MASTER_ADDR=env.main_address,
+            MASTER_PORT=str(env.main_port),
+        )
+        if not ddp.is_initialized():
+            backend = self._process_group_backend
+            ddp.init_process_group(backend, timeout=self._timeout)
+        self._process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+
+    def _setup_model(self, model: Any) -> Any:
+        return ddp.DistributedDataParallel(
+            model, compress=self._compress, sync_batchnorm=self._sync_batchnorm
+        )
+
+    def configure_ddp(self) -> None:
+        self.model = self._setup_model(self.model)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: backward calls stay on this rank until the last."""
+        if isinstance(self.model, ddp.DistributedDataParallel):
+            with self.model.no_sync():
+                yield None
+        else:
+            yield None
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The sampler Lightning put in a distributed loader (torch's, which pads the dataset
+        with repeated samples) becomes towers' (every sample once, the same order)."""
+        sampler = getattr(dataloader, "sampler", None)
+        if (
+            isinstance(dataloader, DataLoader)
+            and type(sampler) is torch_distributed.DistributedSampler
+        ):
+            ours = ddp.DistributedSampler(
+                sampler.dataset,
+                sampler.num_replicas,
+                sampler.rank,
+                shuffle=sampler.shuffle,
+                seed=sampler.seed,
+                drop_last=sampler.drop_last,
+            )
+            return _update_dataloader(dataloader, ours)
+        return dataloader
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """Lightning's reduce, with a mean of integers taken in float64: the ranks' sample
+        counts differ by one under towers' sampler, and Lightning's mean of its logged metrics'
+        batch sizes (501 and 500) would otherwise truncate to 500."""
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if isinstance(tensor, Tensor) and mean and not tensor.is_floating_point():
+            tensor = tensor.double()
+        return super().reduce(tensor, group, reduce_op)
+
+    def teardown(self) -> None:
+        if isinstance(self.model, ddp.DistributedDataParallel):
+            join_all()  # ranks that ran out of batches first wait for the others
+            self.model.remove_hooks()
+            self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="towers: sample-weighted, exact data parallelism"
+        )
+
+
+if TowersStrategy.strategy_name not in StrategyRegistry:
+    TowersStrategy.register_strategies(StrategyRegistry)

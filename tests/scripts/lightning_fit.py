@@ -1,0 +1,69 @@
+"""A LightningModule fitted by ``Trainer(strategy=STRATEGY, devices=N)`` on 1001 samples (an
+uneven last batch), with gradient clipping and a learning-rate schedule; rank 0 saves the
+parameters and the logged metrics to OUT. Lightning's launcher runs this file once per rank.
+
+    python lightning_fit.py STRATEGY DEVICES BATCH_PER_RANK OUT
+"""
+
+import sys
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import towers.lightning  # noqa: F401  (registers "towers")
+
+SAMPLES, EPOCHS, LR, CLIP = 1001, 2, 0.1, 0.5
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 6, generator=g)
+    return TensorDataset(x, x[:, :1] * 2 + 0.1 * torch.randn(SAMPLES, 1, generator=g))
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def optimizer_and_schedule(params):
+    optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = make_net()
+
+    def training_step(self, batch, index):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer, schedule = optimizer_and_schedule(self.parameters())
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
+
+
+if __name__ == "__main__":
+    strategy, devices, batch, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    model = Net()
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=EPOCHS,
+        gradient_clip_val=CLIP,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(dataset(), batch_size=batch))
+    if trainer.global_rank == 0:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        torch.save({"model": model.net.state_dict(), "metrics": metrics}, out)

@@ -1,0 +1,71 @@
+"""``Trainer(strategy="towers")``: Lightning's Trainer over towers' step, against one device.
+
+Lightning's launcher starts the ranks itself (it runs the script once per rank). The
+distributed sampler shuffles each epoch with seed ``0 + epoch``, so one device trains on the
+same global batches when it draws that permutation in chunks of the ranks' total batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from exact import Reference
+from test_examples import run
+from torch import nn
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "lightning_fit.py"
+
+
+def fit_module():
+    spec = importlib.util.spec_from_file_location("lightning_fit", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def one_device(global_batch: int) -> tuple[Reference, float]:
+    """The plain loop over the global batches, and the mean loss of its last epoch."""
+    fit = fit_module()
+    x, y = fit.dataset().tensors
+    last_epoch: list[float] = []
+
+    def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
+        net = fit.make_net().to(dtype)
+        optimizer, schedule = fit.optimizer_and_schedule(net.parameters())
+        for epoch in range(fit.EPOCHS):
+            order = torch.randperm(fit.SAMPLES, generator=torch.Generator().manual_seed(epoch))
+            total = 0.0
+            for start in range(0, fit.SAMPLES, global_batch):
+                idx = order[start : start + global_batch]
+                loss = nn.functional.mse_loss(net(x[idx].to(dtype)), y[idx].to(dtype))
+                total += float(loss) * len(idx)
+                loss.backward()
+                nn.utils.clip_grad_norm_(net.parameters(), fit.CLIP)
+                optimizer.step()
+                optimizer.zero_grad()
+            schedule.step()
+        if dtype == torch.float64:
+            last_epoch.append(total / fit.SAMPLES)
+        return net, []
+
+    return Reference.run(loop), last_epoch[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_devices_2_ends_with_one_device_s_parameters_and_logs_its_loss(tmp_path: Path):
+    """1001 samples, 2 ranks of 16 (the last global batch 9): the parameters are as close to
+    a float64 loop as a float32 one; the epoch's logged loss is the mean over its samples."""
+    out = tmp_path / "towers.pt"
+    result = run([sys.executable, str(SCRIPT), "towers", "2", "16", str(out)], tmp_path, 140)
+    assert result.returncode == 0, result.stdout
+    saved = torch.load(out)
+    reference, loss = one_device(global_batch=32)
+    reference.check(saved["model"], "Trainer(strategy='towers', devices=2)")
+    # the loss is logged before each step, in float32, in per-rank means weighted by samples
+    assert saved["metrics"]["loss"] == pytest.approx(loss, rel=1e-4)
