@@ -60,7 +60,8 @@ def one_device(global_batch: int) -> tuple[Reference, float]:
 @pytest.mark.timeout(150)
 def test_devices_2_ends_with_one_device_s_parameters_and_logs_its_loss(tmp_path: Path):
     """1001 samples, 2 ranks of 16 (the last global batch 9): the parameters are as close to
-    a float64 loop as a float32 one; the epoch's logged loss is the mean over its samples."""
+    a float64 loop as a float32 one; the epoch's logged loss is the mean over its samples, and
+    trainer.validate's over every sample once."""
     out = tmp_path / "towers.pt"
     result = run([sys.executable, str(SCRIPT), "towers", "2", "16", str(out)], tmp_path, 140)
     assert result.returncode == 0, result.stdout
@@ -69,3 +70,11 @@ def test_devices_2_ends_with_one_device_s_parameters_and_logs_its_loss(tmp_path:
     reference.check(saved["model"], "Trainer(strategy='towers', devices=2)")
     # the loss is logged before each step, in float32, in per-rank means weighted by samples
     assert saved["metrics"]["loss"] == pytest.approx(loss, rel=1e-4)
+    fit = fit_module()
+    x, y = fit.dataset().tensors
+    net = fit.make_net()
+    net.load_state_dict(saved["model"])
+    with torch.no_grad():  # trainer.validate: every sample once, weighted as one device does
+        assert saved["metrics"]["val_loss"] == pytest.approx(
+            float(nn.functional.mse_loss(net(x), y)), rel=1e-5
+        )

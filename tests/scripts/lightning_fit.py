@@ -1,6 +1,7 @@
 """A LightningModule fitted by ``Trainer(strategy=STRATEGY, devices=N)`` on 1001 samples (an
-uneven last batch), with gradient clipping and a learning-rate schedule; rank 0 saves the
-parameters and the logged metrics to OUT. Lightning's launcher runs this file once per rank.
+uneven last batch), with gradient clipping and a learning-rate schedule, then validated on
+the same samples; rank 0 saves the parameters and the logged metrics to OUT. Lightning's
+launcher runs this file once per rank.
 
     python lightning_fit.py STRATEGY DEVICES BATCH_PER_RANK OUT
 """
@@ -44,6 +45,10 @@ class Net(pl.LightningModule):
         self.log("loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         return loss
 
+    def validation_step(self, batch, index):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self):
         optimizer, schedule = optimizer_and_schedule(self.parameters())
         return {"optimizer": optimizer, "lr_scheduler": schedule}
@@ -64,6 +69,9 @@ if __name__ == "__main__":
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(dataset(), batch_size=batch))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    # every sample once, 1001 over the ranks (torch's sampler would repeat one)
+    (validated,) = trainer.validate(model, DataLoader(dataset(), batch_size=batch), verbose=False)
     if trainer.global_rank == 0:
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        metrics["val_loss"] = validated["val_loss"]
         torch.save({"model": model.net.state_dict(), "metrics": metrics}, out)
