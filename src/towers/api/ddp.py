@@ -29,7 +29,6 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
-from ..engines.job import OptimizerFactory
 from ..engines.transforms import GradientTransform
 from .context import Context
 from .join import init
@@ -159,7 +158,6 @@ def destroy_process_group(group: Any = None) -> None:
     finally:
         for model in list(_models):
             model.remove_hooks()
-        _models.clear()
         _job, _batch = None, None
         job.close()
 
@@ -200,7 +198,6 @@ class DistributedDataParallel(nn.Module):
         compress: str | None = None,
         sync_batchnorm: bool = False,
         transform: GradientTransform | None = None,
-        outer_optimizer: OptimizerFactory | None = None,
     ):
         super().__init__()
         job = context()
@@ -214,7 +211,6 @@ class DistributedDataParallel(nn.Module):
             sync_batchnorm=sync_batchnorm,
             transform=transform,
             compress=compress,
-            outer_optimizer=outer_optimizer,
             balance=False,
         )
         self.dim = dim
@@ -300,7 +296,11 @@ class DistributedDataParallel(nn.Module):
         return self.module(*inputs, **kwargs)
 
     def remove_hooks(self) -> None:
+        """Stop averaging: the module trains on alone (Lightning unwraps it after ``fit``, and
+        a later ``fit`` wraps it again)."""
         self._hook.remove()
+        self._steps.driver.remove()
+        _models.discard(self)
 
 
 def _samples(inputs: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> int:
