@@ -43,7 +43,7 @@ def one_device(global_batch: int) -> tuple[Reference, float]:
             for start in range(0, fit.SAMPLES, global_batch):
                 idx = order[start : start + global_batch]
                 loss = nn.functional.mse_loss(net(x[idx].to(dtype)), y[idx].to(dtype))
-                total += float(loss) * len(idx)
+                total += float(loss.detach()) * len(idx)
                 loss.backward()
                 nn.utils.clip_grad_norm_(net.parameters(), fit.CLIP)
                 optimizer.step()
@@ -78,3 +78,15 @@ def test_devices_2_ends_with_one_device_s_parameters_and_logs_its_loss(tmp_path:
         assert saved["metrics"]["val_loss"] == pytest.approx(
             float(nn.functional.mse_loss(net(x), y)), rel=1e-5
         )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_fabric_with_devices_2_ends_with_one_device_s_parameters(tmp_path: Path):
+    """The same training in a loop of one's own under Fabric(strategy="towers")."""
+    script = SCRIPT.parent / "fabric_fit.py"
+    out = tmp_path / "fabric.pt"
+    result = run([sys.executable, str(script), "towers", "2", "16", str(out)], tmp_path, 140)
+    assert result.returncode == 0, result.stdout
+    reference, _ = one_device(global_batch=32)
+    reference.check(torch.load(out)["model"], "Fabric(strategy='towers', devices=2)")

@@ -1,5 +1,5 @@
-"""Lightning's ``Trainer`` on towers: ``import towers.lightning``, then
-``Trainer(strategy="towers")``.
+"""Lightning on towers: ``import towers.lightning``, then ``Trainer(strategy="towers")`` or
+``Fabric(strategy="towers")``.
 
 The strategy is Lightning's DDP strategy with towers' pieces in DDP's places (the drop-in of
 :mod:`towers.ddp`, so the step is the own loop's one runner): each rank's gradient is weighted
@@ -26,6 +26,9 @@ from collections.abc import Generator
 from typing import Any
 
 try:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
     from lightning.pytorch.utilities.data import _update_dataloader
 except ImportError as exc:  # pragma: no cover - the extra is not installed
@@ -39,7 +42,55 @@ from torch.utils.data import distributed as torch_distributed
 from . import ddp
 from .api.ddp import join_all
 
-__all__ = ["TowersStrategy"]
+__all__ = ["TowersFabricStrategy", "TowersStrategy"]
+
+NAME = "towers"
+DESCRIPTION = "towers: sample-weighted, exact data parallelism"
+
+
+def _join(strategy: Any, timeout: Any) -> None:
+    """Join the job as the launcher placed this rank (Lightning's own, torchrun or towers
+    run): towers reads the torchrun variables, which Lightning's launcher only partly sets."""
+    env = strategy.cluster_environment
+    assert env is not None
+    os.environ.update(
+        RANK=str(strategy.global_rank),
+        WORLD_SIZE=str(strategy.world_size),
+        LOCAL_RANK=str(strategy.local_rank),
+        LOCAL_WORLD_SIZE=str(strategy.num_processes),
+        MASTER_ADDR=env.main_address,
+        MASTER_PORT=str(env.main_port),
+    )
+    if not ddp.is_initialized():
+        ddp.init_process_group(strategy._process_group_backend, timeout=timeout)
+    strategy._process_group_backend = "nccl" if strategy.root_device.type == "cuda" else "gloo"
+
+
+def _towers_sampler(dataloader: object) -> object:
+    """The sampler Lightning put in a distributed loader (torch's, which pads the dataset with
+    repeated samples) replaced by towers' (every sample once, the same order)."""
+    sampler = getattr(dataloader, "sampler", None)
+    if isinstance(dataloader, DataLoader) and type(sampler) is torch_distributed.DistributedSampler:
+        ours = ddp.DistributedSampler(
+            sampler.dataset,
+            sampler.num_replicas,
+            sampler.rank,
+            shuffle=sampler.shuffle,
+            seed=sampler.seed,
+            drop_last=sampler.drop_last,
+        )
+        return _update_dataloader(dataloader, ours)
+    return dataloader
+
+
+def _float_mean(tensor: Any, reduce_op: Any) -> Any:
+    """A mean of integers is taken in float64: the ranks' sample counts differ by one under
+    towers' sampler, and Lightning's mean of its logged metrics' batch sizes (501 and 500)
+    would otherwise truncate to 500."""
+    mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+    if isinstance(tensor, Tensor) and mean and not tensor.is_floating_point():
+        return tensor.double()
+    return tensor
 
 
 class TowersStrategy(DDPStrategy):
@@ -53,30 +104,15 @@ class TowersStrategy(DDPStrategy):
             the cluster environment, ...).
     """
 
-    strategy_name = "towers"
+    strategy_name = NAME
 
     def __init__(self, *, compress: str | None = None, sync_batchnorm: bool = False, **kwargs: Any):
         super().__init__(**kwargs)
         self._compress, self._sync_batchnorm = compress, sync_batchnorm
 
     def setup_distributed(self) -> None:
-        """Join the job as the launcher placed this rank (Lightning's own, torchrun or towers
-        run): towers reads the torchrun variables, which Lightning's launcher only partly sets."""
         self.set_world_ranks()
-        env = self.cluster_environment
-        assert env is not None
-        os.environ.update(
-            RANK=str(self.global_rank),
-            WORLD_SIZE=str(self.world_size),
-            LOCAL_RANK=str(self.local_rank),
-            LOCAL_WORLD_SIZE=str(self.num_processes),
-            MASTER_ADDR=env.main_address,
-            MASTER_PORT=str(env.main_port),
-        )
-        if not ddp.is_initialized():
-            backend = self._process_group_backend
-            ddp.init_process_group(backend, timeout=self._timeout)
-        self._process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+        _join(self, self._timeout)
 
     def _setup_model(self, model: Any) -> Any:
         return ddp.DistributedDataParallel(
@@ -96,32 +132,10 @@ class TowersStrategy(DDPStrategy):
             yield None
 
     def process_dataloader(self, dataloader: object) -> object:
-        """The sampler Lightning put in a distributed loader (torch's, which pads the dataset
-        with repeated samples) becomes towers' (every sample once, the same order)."""
-        sampler = getattr(dataloader, "sampler", None)
-        if (
-            isinstance(dataloader, DataLoader)
-            and type(sampler) is torch_distributed.DistributedSampler
-        ):
-            ours = ddp.DistributedSampler(
-                sampler.dataset,
-                sampler.num_replicas,
-                sampler.rank,
-                shuffle=sampler.shuffle,
-                seed=sampler.seed,
-                drop_last=sampler.drop_last,
-            )
-            return _update_dataloader(dataloader, ours)
-        return dataloader
+        return _towers_sampler(dataloader)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        """Lightning's reduce, with a mean of integers taken in float64: the ranks' sample
-        counts differ by one under towers' sampler, and Lightning's mean of its logged metrics'
-        batch sizes (501 and 500) would otherwise truncate to 500."""
-        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
-        if isinstance(tensor, Tensor) and mean and not tensor.is_floating_point():
-            tensor = tensor.double()
-        return super().reduce(tensor, group, reduce_op)
+        return super().reduce(_float_mean(tensor, reduce_op), group, reduce_op)
 
     def teardown(self) -> None:
         if isinstance(self.model, ddp.DistributedDataParallel):
@@ -132,10 +146,67 @@ class TowersStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="towers: sample-weighted, exact data parallelism"
+        strategy_registry.register(cls.strategy_name, cls, description=DESCRIPTION)
+
+
+class _NoSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: towers' wrapper keeps backward calls local."""
+
+    def no_backward_sync(self, module: Any, enabled: bool) -> contextlib.AbstractContextManager:
+        if not enabled:
+            return contextlib.nullcontext()
+        if not isinstance(module, ddp.DistributedDataParallel):
+            raise TypeError(
+                "fabric.no_backward_sync needs the model fabric.setup returned (wrapped by "
+                f"towers), got {type(module).__name__}"
+            )
+        return module.no_sync()
+
+
+class TowersFabricStrategy(FabricDDPStrategy):
+    """``Fabric(strategy="towers")``: Fabric's ``DDPStrategy`` with towers' step and sampler,
+    as :class:`TowersStrategy` is the Trainer's; the same arguments."""
+
+    def __init__(self, *, compress: str | None = None, sync_batchnorm: bool = False, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._compress, self._sync_batchnorm = compress, sync_batchnorm
+        self._backward_sync_control = _NoSync()
+
+    def _setup_distributed(self) -> None:
+        self._set_world_ranks()
+        _join(self, self._timeout)
+
+    def setup_module(self, module: Any) -> Any:
+        return ddp.DistributedDataParallel(
+            module, compress=self._compress, sync_batchnorm=self._sync_batchnorm
         )
 
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        return _towers_sampler(dataloader)  # type: ignore[return-value]
 
-if TowersStrategy.strategy_name not in StrategyRegistry:
+    def all_reduce(
+        self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean"
+    ) -> Any:
+        return super().all_reduce(_float_mean(tensor, reduce_op), group, reduce_op)
+
+    def get_module_state_dict(self, module: Any) -> dict[str, Any]:
+        if isinstance(module, ddp.DistributedDataParallel):
+            module = module.module
+        return super().get_module_state_dict(module)
+
+    def load_module_state_dict(
+        self, module: Any, state_dict: dict[str, Any], strict: bool = True
+    ) -> None:
+        if isinstance(module, ddp.DistributedDataParallel):
+            module = module.module
+        super().load_module_state_dict(module=module, state_dict=state_dict, strict=strict)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(NAME, cls, description=DESCRIPTION)
+
+
+if NAME not in StrategyRegistry:
     TowersStrategy.register_strategies(StrategyRegistry)
+if NAME not in FABRIC_STRATEGIES:
+    TowersFabricStrategy.register_strategies(FABRIC_STRATEGIES)
