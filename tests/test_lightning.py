@@ -90,3 +90,18 @@ def test_fabric_with_devices_2_ends_with_one_device_s_parameters(tmp_path: Path)
     assert result.returncode == 0, result.stdout
     reference, _ = one_device(global_batch=32)
     reference.check(torch.load(out)["model"], "Fabric(strategy='towers', devices=2)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_resumed_fit_equals_an_uninterrupted_one_and_manual_optimization_is_exact(tmp_path):
+    """ModelCheckpoint after epoch 1 and resume from last.ckpt: bit for bit the 2-epoch run.
+    Manual optimization (manual_backward, clip_gradients, step): the float64 loop's result."""
+    script = SCRIPT.parent / "lightning_more.py"
+    result = run([sys.executable, str(script), str(tmp_path)], tmp_path, 140)
+    assert result.returncode == 0, result.stdout
+    whole, resumed = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    reference, _ = one_device(global_batch=32)
+    reference.check(whole, "2 epochs under strategy='towers'")
+    reference.check(torch.load(tmp_path / "manual.pt"), "manual optimization")

@@ -1,0 +1,68 @@
+"""More of Lightning under ``Trainer(strategy="towers", devices=2)``, in one launch: a run of 2
+epochs; the same run stopped after 1 by ``ModelCheckpoint`` and resumed from ``last.ckpt``;
+and manual optimization. Rank 0 saves each run's parameters to OUT/NAME.pt.
+
+    python lightning_more.py OUT
+"""
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+import towers.lightning  # noqa: F401  (registers "towers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lightning_fit import CLIP, Net, dataset
+
+
+class Manual(Net):
+    """The same training with manual optimization."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, index):
+        optimizer = self.optimizers()
+        x, y = batch
+        optimizer.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self.net(x), y))
+        self.clip_gradients(optimizer, gradient_clip_val=CLIP)
+        optimizer.step()
+
+    def on_train_epoch_end(self):
+        self.lr_schedulers().step()
+
+
+def fit(model, epochs, *, clip=True, checkpoints=None, resume=None):
+    trainer = pl.Trainer(
+        strategy="towers",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=epochs,
+        gradient_clip_val=CLIP if clip else None,
+        callbacks=[] if checkpoints is None else [ModelCheckpoint(checkpoints, save_last=True)],
+        enable_checkpointing=checkpoints is not None,
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(dataset(), batch_size=16), ckpt_path=resume)
+    return trainer.global_rank
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    runs = {"whole": Net(), "resumed": Net(), "manual": Manual()}
+    fit(runs["whole"], 2)
+    fit(runs["resumed"], 1, checkpoints=out / "ckpt")
+    fit(runs["resumed"], 2, checkpoints=out / "ckpt", resume=str(out / "ckpt" / "last.ckpt"))
+    rank = fit(runs["manual"], 2, clip=False)
+    if rank == 0:
+        for name, model in runs.items():
+            torch.save(model.net.state_dict(), out / f"{name}.pt")
