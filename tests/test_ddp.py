@@ -225,3 +225,12 @@ def test_a_model_wrapped_before_the_job_is_joined_is_refused():
     with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
         dist.init_process_group("mpi")
     assert not dist.is_initialized()
+
+
+def test_an_elastic_job_is_refused_before_it_is_joined(monkeypatch):
+    """Under towers run --elastic a lost worker's step is redone, which a script's own
+    loss.backward() cannot be: refused with the way out, before any connection."""
+    monkeypatch.setenv("TOWERS_ELASTIC", "1")
+    with pytest.raises(ValueError, match=r"does not run under towers run --elastic yet.*ctx\.step"):
+        dist.init_process_group("gloo")
+    assert not dist.is_initialized()

@@ -29,6 +29,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
+from ..core.launch import read_launch
 from ..engines.transforms import GradientTransform
 from .context import Context
 from .join import init
@@ -85,6 +86,13 @@ def init_process_group(
             f"set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); got init_method={init_method!r}"
             f"{', a store' if store is not None else ''}. Launch the script with torchrun or "
             "towers run, and call init_process_group(backend) without them"
+        )
+    if read_launch().elastic:
+        raise ValueError(
+            "towers.ddp does not run under towers run --elastic yet: a step that loses a worker "
+            "is redone on the same batch, which a script's own loss.backward() cannot be. Port "
+            "the loop to ctx = towers.init() and ctx.step(loss, optimizer) (docs/elastic.md), "
+            "or start the job without --elastic"
         )
     seconds = timeout.total_seconds() if timeout is not None else None
     job = init(backend=_backend(backend), timeout=seconds)
