@@ -110,6 +110,9 @@ def test_a_bad_nnodes_or_a_node_rank_past_max_is_refused_at_once(capsys, tmp_pat
     assert "--node-rank (if given) in 0..2 (MAX-1), got --node-rank 3" in err
     assert main(["run", str(script), "--nnodes", "1:2"]) == 2
     assert "--nnodes > 1 needs --elastic" in capsys.readouterr().err
+    assert main(["run", str(script), "--compress", "int7"]) == 2
+    assert "towers run: --compress: " in capsys.readouterr().err
+    assert "TOWERS_COMPRESS" not in os.environ
 
 
 SCRIPT = textwrap.dedent(

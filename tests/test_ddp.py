@@ -205,6 +205,19 @@ def test_a_job_of_one_trains_as_the_plain_module(job_of_one):
         assert not model.require_backward_grad_sync
 
 
+def test_towers_run_s_compression_reaches_a_model_whose_script_names_none(monkeypatch):
+    """towers run --compress int8 sets TOWERS_COMPRESS for the ranks: a script ported by its
+    imports alone compresses; a compression the script names wins."""
+    monkeypatch.setenv("TOWERS_COMPRESS", "int8")
+    dist.init_process_group("gloo")
+    try:
+        chosen = dist.DistributedDataParallel(nn.Linear(3, 2))._steps.driver.transform
+        named = dist.DistributedDataParallel(nn.Linear(3, 2), compress="bf16")
+        assert repr(chosen) == "int8" and repr(named._steps.driver.transform) == "bf16"
+    finally:
+        dist.destroy_process_group()
+
+
 def test_ddp_s_arguments_that_cannot_hold_are_refused(job_of_one):
     with pytest.raises(ValueError, match="trains over the whole job: pass no process_group"):
         dist.DistributedDataParallel(nn.Linear(2, 2), process_group=object())

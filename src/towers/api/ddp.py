@@ -181,7 +181,9 @@ class DistributedDataParallel(nn.Module):
     of batches at different steps.
 
     towers' own options come as keywords: ``compress`` (``"bf16"``, ``"int8"``,
-    ``"powersgd:R"``, ...), ``sync_batchnorm``, ``transform``. torch's ``device_ids`` must name
+    ``"powersgd:R"``, ...; by default what ``towers run --compress`` or ``TOWERS_COMPRESS``
+    names, so that a script ported by its imports alone can compress), ``sync_batchnorm``,
+    ``transform``. torch's ``device_ids`` must name
     the device the job put this rank on (``cuda:LOCAL_RANK`` under NCCL), ``bucket_cap_mb``
     sizes the buckets; ``broadcast_buffers``, ``find_unused_parameters``,
     ``gradient_as_bucket_view`` and ``static_graph`` are accepted for what they promise
@@ -213,6 +215,8 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("towers.ddp trains over the whole job: pass no process_group")
         _check_devices(job.device, device_ids)
         bucket = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
+        if compress is None and transform is None:
+            compress = read_launch().compress  # towers run --compress, or TOWERS_COMPRESS
         self.module = job.replicate(
             module,
             bucket_bytes=bucket,

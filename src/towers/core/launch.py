@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from .secret import JobSecret
 
 __all__ = [
+    "COMPRESS",
     "ELASTIC",
     "ENV_KEYS",
     "MODE",
@@ -40,6 +41,7 @@ _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 MODE = "TOWERS_MODE"
 TRANSPORT = "TOWERS_TRANSPORT"
 ELASTIC = "TOWERS_ELASTIC"
+COMPRESS = "TOWERS_COMPRESS"
 SECRET = "TOWERS_SECRET"
 _AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 _RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
@@ -59,6 +61,8 @@ class Launch:
         mode: the mode ``towers run --mode`` asked for (``"sync"`` by default).
         transport: ``TOWERS_TRANSPORT`` if set, else ``None``.
         elastic: started by ``towers run --elastic``; ``joining``: as a replacement.
+        compress: the compression ``towers run --compress`` asked for (``TOWERS_COMPRESS``),
+            which a ``towers.ddp`` model takes when its script names none; else ``None``.
         secret: the job's secret (``TOWERS_SECRET``), or ``None``; never shown in ``repr``.
     """
 
@@ -77,6 +81,7 @@ class Launch:
     transport: str | None = None
     elastic: bool = False
     joining: bool = False
+    compress: str | None = None
     secret: str | None = field(default=None, repr=False)
 
     @property
@@ -102,6 +107,8 @@ class Launch:
             env[TRANSPORT] = self.transport
         if self.elastic:
             env[ELASTIC] = "join" if self.joining else "1"
+        if self.compress is not None:
+            env[COMPRESS] = self.compress
         if self.secret is not None:
             env[SECRET] = self.secret
         return env
@@ -143,6 +150,7 @@ def parse_launch(env: Mapping[str, str]) -> Launch:
         "transport": env.get(TRANSPORT) or None,
         "elastic": bool(elastic),
         "joining": elastic == "join",
+        "compress": env.get(COMPRESS) or None,
         "secret": secret,
     }
     if not all(name in env for name in _REQUIRED):

@@ -84,8 +84,9 @@ def _compare_link(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..core.launch import MODE
+    from ..core.launch import COMPRESS, MODE
     from ..core.modes import Engine, parse_mode
+    from ..engines.transforms import compression
     from ..processes.launch import run_script
 
     try:
@@ -106,6 +107,13 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     os.environ[MODE] = str(mode)  # read by towers.train in the script
+    if args.compress is not None:
+        try:
+            compression(args.compress)
+        except ValueError as exc:
+            print(f"towers run: --compress: {exc}", file=sys.stderr)
+            return 2
+        os.environ[COMPRESS] = args.compress  # read by a towers.ddp model in the script
     if args.show_ranks is not None and (args.elastic or max(args.show_ranks) >= processes):
         print(
             f"towers run: --show-ranks takes ranks in 0..{processes - 1}, without --elastic; "

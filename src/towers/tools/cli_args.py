@@ -146,6 +146,14 @@ examples:
         "asynchronous mode adds the parameter server as rank 0",
     )
     run.add_argument(
+        "--compress",
+        default=None,
+        metavar="C",
+        help="for a script on towers.ddp (a DDP script ported by its imports): how its "
+        "gradients travel, one of bf16, fp16, int8, powersgd:R, topk:F[:BITS] (default: exact "
+        "sums); TOWERS_COMPRESS under torchrun",
+    )
+    run.add_argument(
         "--show-ranks",
         type=_rank_list,
         default=None,
