@@ -175,6 +175,14 @@ def test_a_last_global_batch_of_fewer_samples_than_ranks_is_left_out(monkeypatch
     assert [len(x) for x in after] == [496, 496] and after[1] == before[1]
     assert after[0] == before[0][:496]
     assert dropin_reference_kept(993, 2, 16) == 992
+    # a loader's length is what is dealt: 10 samples on 4 ranks of 2 deal one batch each
+    monkeypatch.setattr(ddp, "_batch", None)
+    told = [DistributedSampler(list(range(10)), 4, r, batch_size=2) for r in range(4)]
+    assert [len(s) for s in told] == [2, 2, 2, 2] == [len(list(s)) for s in told]
+    # a loader with drop_last=True: the incomplete last global batch (5 of 8) whole
+    whole = [DistributedSampler(list(range(13)), 4, r, batch_size=2, batch_drop_last=True)
+             for r in range(4)]  # fmt: skip
+    assert [len(list(s)) for s in whole] == [2, 2, 2, 2] == [len(s) for s in whole]
     # 1001 = 31 x 32 + 9: a last global batch of 9, uneven (5 and 4) but every rank has one
     monkeypatch.setattr(ddp, "_batch", 16)
     assert [len(list(DistributedSampler(list(range(1001)), 2, r))) for r in range(2)] == [501, 500]
@@ -211,9 +219,11 @@ def test_towers_run_s_compression_reaches_a_model_whose_script_names_none(monkey
     monkeypatch.setenv("TOWERS_COMPRESS", "int8")
     dist.init_process_group("gloo")
     try:
-        chosen = dist.DistributedDataParallel(nn.Linear(3, 2))._steps.driver.transform
+        chosen = dist.DistributedDataParallel(nn.Linear(3, 2))
+        assert repr(chosen._steps.driver.transform) == "int8"
+        chosen.remove_hooks()  # one wrapped model at a time
         named = dist.DistributedDataParallel(nn.Linear(3, 2), compress="bf16")
-        assert repr(chosen) == "int8" and repr(named._steps.driver.transform) == "bf16"
+        assert repr(named._steps.driver.transform) == "bf16"
     finally:
         dist.destroy_process_group()
 
@@ -227,6 +237,11 @@ def test_ddp_s_arguments_that_cannot_hold_are_refused(job_of_one):
         dist.DistributedDataParallel(nn.Linear(2, 2), device_ids=[0, 1])
     with pytest.raises(RuntimeError, match=r"init_process_group\(\) was called twice"):
         dist.init_process_group("gloo")
+    with pytest.raises(ValueError, match=r"sync_batchnorm is not available under towers\.ddp"):
+        dist.DistributedDataParallel(nn.Sequential(nn.BatchNorm1d(2)), sync_batchnorm=True)
+    dist.DistributedDataParallel(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="wraps one model per job, and one is wrapped already"):
+        dist.DistributedDataParallel(nn.Linear(2, 2))
 
 
 def test_a_model_wrapped_before_the_job_is_joined_is_refused():

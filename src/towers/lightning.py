@@ -78,6 +78,8 @@ def _towers_sampler(dataloader: object) -> object:
             shuffle=sampler.shuffle,
             seed=sampler.seed,
             drop_last=sampler.drop_last,
+            batch_size=dataloader.batch_size,
+            batch_drop_last=dataloader.drop_last,
         )
         return _update_dataloader(dataloader, ours)
     return dataloader
@@ -137,6 +139,10 @@ class TowersStrategy(DDPStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         return super().reduce(_float_mean(tensor, reduce_op), group, reduce_op)
 
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        join_all()  # a rank out of batches first takes empty steps beside the others'
+        super().barrier(*args, **kwargs)
+
     def teardown(self) -> None:
         if isinstance(self.model, ddp.DistributedDataParallel):
             join_all()  # ranks that ran out of batches first wait for the others
@@ -188,6 +194,10 @@ class TowersFabricStrategy(FabricDDPStrategy):
         self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean"
     ) -> Any:
         return super().all_reduce(_float_mean(tensor, reduce_op), group, reduce_op)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        join_all()  # a rank out of batches first takes empty steps beside the others'
+        super().barrier(*args, **kwargs)
 
     def get_module_state_dict(self, module: Any) -> dict[str, Any]:
         if isinstance(module, ddp.DistributedDataParallel):

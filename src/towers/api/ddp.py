@@ -29,6 +29,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
+from ..core.devices import moved
 from ..core.launch import read_launch
 from ..engines.transforms import GradientTransform
 from .context import Context
@@ -182,13 +183,15 @@ class DistributedDataParallel(nn.Module):
 
     towers' own options come as keywords: ``compress`` (``"bf16"``, ``"int8"``,
     ``"powersgd:R"``, ...; by default what ``towers run --compress`` or ``TOWERS_COMPRESS``
-    names, so that a script ported by its imports alone can compress), ``sync_batchnorm``,
-    ``transform``. torch's ``device_ids`` must name
-    the device the job put this rank on (``cuda:LOCAL_RANK`` under NCCL), ``bucket_cap_mb``
-    sizes the buckets; ``broadcast_buffers``, ``find_unused_parameters``,
-    ``gradient_as_bucket_view`` and ``static_graph`` are accepted for what they promise
-    (towers takes rank 0's buffers at the start, tolerates parameters without gradients and
-    hands out gradients as views of its buckets anyway).
+    names, so that a script ported by its imports alone can compress) and ``transform``
+    (``sync_batchnorm`` is refused: not yet exact when the ranks' batches differ in size). One
+    model per job. torch's ``device_ids`` must name the device the job put this rank on
+    (``cuda:LOCAL_RANK`` under NCCL), ``bucket_cap_mb`` sizes the buckets;
+    ``find_unused_parameters``, ``gradient_as_bucket_view`` and ``static_graph`` are accepted
+    (towers tolerates parameters without gradients and hands out gradients as views of its
+    buckets anyway). ``broadcast_buffers`` is accepted, but towers gives every rank rank 0's
+    buffers at the start only: BatchNorm's running statistics then follow each rank's own
+    batches, where DDP copies rank 0's at every forward.
     """
 
     def __init__(
@@ -213,6 +216,20 @@ class DistributedDataParallel(nn.Module):
         job = context()
         if process_group is not None:
             raise ValueError("towers.ddp trains over the whole job: pass no process_group")
+        if _models:
+            raise ValueError(
+                "towers.ddp wraps one model per job, and one is wrapped already: its steps and "
+                "the next one's would share one reduction. Wrap a module that holds both (a "
+                "GAN's generator and discriminator as one nn.Module), or port the loop to "
+                "towers.init()"
+            )
+        if sync_batchnorm:
+            raise ValueError(
+                "sync_batchnorm is not available under towers.ddp yet: each rank's batch "
+                "brings its own loss, and BatchNorm's gradient over the ranks would weigh them "
+                "alike whatever their sizes. Port the loop to towers.init() and "
+                "ctx.replicate(model, sync_batchnorm=True) (docs/batchnorm.md)"
+            )
         _check_devices(job.device, device_ids)
         bucket = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
         if compress is None and transform is None:
@@ -228,7 +245,7 @@ class DistributedDataParallel(nn.Module):
         self.dim = dim
         self._steps: Stepper = job._stepper()
         self._params = {id(p) for p in self.module.parameters()}
-        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # in first-step order
         self._hook = register_optimizer_step_post_hook(self._stepped)
         _models.add(self)
 
@@ -289,15 +306,20 @@ class DistributedDataParallel(nn.Module):
         with torch.no_grad():
             for t in [*self.module.parameters(), *self.module.buffers()]:
                 comm.broadcast(t.data, source)
-        for optimizer in sorted(self._optimizers, key=id):
-            state = comm.broadcast_object(optimizer.state_dict(), source)
-            optimizer.load_state_dict(state)
+        optimizers = [o for o in (ref() for ref in self._optimizers) if o is not None]
+        mine = [moved(o.state_dict(), "cpu") for o in optimizers]
+        theirs = comm.broadcast_object(mine, source)  # one message, whatever each rank holds
+        if len(theirs) == len(optimizers):  # a rank that never stepped keeps its own
+            for optimizer, state in zip(optimizers, theirs):
+                optimizer.load_state_dict(state)
 
     def _stepped(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         """An optimizer stepped: remember it if it steps this model (a join hands its state
         from a rank that trained to the end to those that sat out)."""
+        if any(optimizer is ref() for ref in self._optimizers):
+            return
         if any(id(p) in self._params for g in optimizer.param_groups for p in g["params"]):
-            self._optimizers.add(optimizer)
+            self._optimizers.append(weakref.ref(optimizer))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():

@@ -25,7 +25,18 @@ __all__ = ["DistributedSampler"]
 class DistributedSampler(distributed.DistributedSampler):
     """``torch.utils.data.distributed.DistributedSampler``'s interface: this rank's indices of
     each epoch, every sample once (``drop_last=True``: the first ``N - N % world`` of the
-    shuffled order, every rank the same count, as torch's)."""
+    shuffled order, every rank the same count, as torch's).
+
+    The ranks' global batches must end together, or one rank would reach its next collective
+    a step before the others. Where the epoch's last global batch holds fewer samples than
+    there are ranks, it would leave some rank without a batch: those few samples (at most
+    ``world - 1``, other ones each epoch when shuffled) are left out. That needs the loader's
+    batch size: ``batch_size=`` gives it (Lightning's strategy passes it), else the wrapped
+    model's first training forward tells it, and until then every sample is dealt (a rank
+    that runs out first waits in empty steps at the next ``set_epoch``, ``barrier`` or
+    ``destroy_process_group``). ``batch_drop_last=True``, for a loader with ``drop_last=True``,
+    leaves out an incomplete last global batch whole, as one process's loader would.
+    """
 
     def __init__(
         self,
@@ -35,6 +46,9 @@ class DistributedSampler(distributed.DistributedSampler):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
+        batch_size: int | None = None,
+        batch_drop_last: bool = False,
     ):
         if num_replicas is None or rank is None:
             job = context()
@@ -43,7 +57,16 @@ class DistributedSampler(distributed.DistributedSampler):
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
         n, world = len(dataset), self.num_replicas  # type: ignore[arg-type]
         self.total_size = n - n % world if drop_last else n
-        self.num_samples = len(range(self.rank, self.total_size, world))
+        self.batch_size, self.batch_drop_last = batch_size, batch_drop_last
+
+    def _dealt(self) -> int:
+        """How many positions of the order the ranks deal this epoch (see the class doc)."""
+        batch = self.batch_size if self.batch_size is not None else batch_size_seen()
+        total, world = self.total_size, self.num_replicas
+        if batch is None:
+            return total
+        tail = total % (batch * world)
+        return total - tail if (self.batch_drop_last or tail < world) else total
 
     def __iter__(self) -> Iterator[int]:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -56,20 +79,23 @@ class DistributedSampler(distributed.DistributedSampler):
         return self._deal(order)
 
     def _deal(self, order: list[int]) -> Iterator[int]:
-        """This rank's positions of ``order``, but never a last global batch of fewer samples
-        than ranks: it would leave some rank a batch fewer than the others (the ranks would
-        reach their next collective a step apart). Those few samples (at most ``world - 1``,
-        others each epoch when shuffled) are left out, decided from the loader's batch size,
-        which the wrapped model's first training forward tells; before that, every sample
-        is dealt, and a rank that runs out first waits in empty steps at the next
-        ``set_epoch``, ``barrier`` or ``destroy_process_group``."""
+        """This rank's positions of ``order``, rank-strided as torch's. What is dealt is
+        decided at the tail, lazily: a loader that takes its indices batch by batch has seen
+        its model's first forward by then (see the class doc)."""
         world, total = self.num_replicas, self.total_size
         for p in range(self.rank, total, world):
-            if p >= total - world and _in_short_tail(p, total, world):
+            if p >= total - self._batch() * world and p >= self._dealt():
                 return
             yield order[p]
 
+    def _batch(self) -> int:
+        """The loader's batch size as far as it is known (1: not yet)."""
+        return (self.batch_size if self.batch_size is not None else batch_size_seen()) or 1
+
     def __len__(self) -> int:
+        # torch's sampler keeps it in num_samples; here it follows what is dealt, which the
+        # batch size, once known, may shorten
+        self.num_samples = len(range(self.rank, self._dealt(), self.num_replicas))
         return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
@@ -77,12 +103,3 @@ class DistributedSampler(distributed.DistributedSampler):
         empty steps beside the others' (on every rank, as torch's ``set_epoch`` is called)."""
         join_all()
         super().set_epoch(epoch)
-
-
-def _in_short_tail(p: int, total: int, world: int) -> bool:
-    """Whether position ``p`` is in a last global batch of fewer than ``world`` samples."""
-    batch = batch_size_seen()
-    if batch is None:
-        return False
-    tail = total % (batch * world)
-    return 0 < tail < world and p >= total - tail

@@ -333,8 +333,7 @@ class Membership:
 
     def _lose(self, line: str) -> None:
         """The job is lost (``line`` says how): interrupt the main thread's wait."""
-        if self.lost is None:
-            self.lost = line
+        self.lost = self.lost or line
         self.interrupt.set()
 
     def check(self) -> None:
@@ -425,6 +424,7 @@ class Membership:
                 self.generation = generation
                 self.interrupt.clear()
                 self._regroup = False
+            self.check()  # a job lost while the interrupt was cleared: not missed
             self.store.add(protocol.generation(generation, "here"), 1)
             deadline = time.monotonic() + self.timeout
             while (
