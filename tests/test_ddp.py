@@ -262,3 +262,18 @@ def test_an_elastic_job_is_refused_before_it_is_joined(monkeypatch):
     with pytest.raises(ValueError, match=r"does not run under towers run --elastic yet.*ctx\.step"):
         dist.init_process_group("gloo")
     assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(90)
+def test_diloco_under_the_dropin_equals_diloco_in_one_process(tmp_path: Path):
+    """DDP(model, mode="diloco:4"): the script's own loss.backward() and optimizer.step() are
+    each tower's inner steps, the outer steps come every 4 of them and at
+    destroy_process_group; the result is tests/test_diloco.py's one-process DiLoCo."""
+    from helpers import make_net
+    from test_diloco import ADAM, DATA, derived
+
+    out = tmp_path / "diloco.pt"
+    launch(tmp_path, ROOT / "tests" / "scripts" / "ddp_diloco.py", 2, "towers", str(out))
+    outer, _, _ = derived(make_net(), DATA, batch_size=10, steps=14, every=4, workers=2,
+                          inner=ADAM, seed=4)  # fmt: skip
+    outer.check(torch.load(out), "DiLoCo under towers.ddp on 2 ranks")

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..core.devices import moved
 from ..core.launch import read_launch
+from ..engines.job import OptimizerFactory
 from ..engines.transforms import GradientTransform
 from .context import Context
 from .join import init
@@ -163,7 +164,8 @@ def destroy_process_group(group: Any = None) -> None:
         raise ValueError("towers.ddp has one group, the job's: call destroy_process_group()")
     job = context()
     try:
-        join_all()
+        for model in list(_models):
+            model.finish()
     finally:
         for model in list(_models):
             model.remove_hooks()
@@ -183,7 +185,9 @@ class DistributedDataParallel(nn.Module):
 
     towers' own options come as keywords: ``compress`` (``"bf16"``, ``"int8"``,
     ``"powersgd:R"``, ...; by default what ``towers run --compress`` or ``TOWERS_COMPRESS``
-    names, so that a script ported by its imports alone can compress) and ``transform``
+    names, so that a script ported by its imports alone can compress), ``transform``, and
+    ``mode="diloco:H"`` with ``outer_optimizer`` (the script's ``optimizer.step()`` is then the
+    tower's inner step, and every H-th is followed by the outer step)
     (``sync_batchnorm`` is refused: not yet exact when the ranks' batches differ in size). One
     model per job. torch's ``device_ids`` must name the device the job put this rank on
     (``cuda:LOCAL_RANK`` under NCCL), ``bucket_cap_mb`` sizes the buckets;
@@ -211,6 +215,8 @@ class DistributedDataParallel(nn.Module):
         compress: str | None = None,
         sync_batchnorm: bool = False,
         transform: GradientTransform | None = None,
+        mode: str = "sync",
+        outer_optimizer: OptimizerFactory | None = None,
     ):
         super().__init__()
         job = context()
@@ -240,10 +246,14 @@ class DistributedDataParallel(nn.Module):
             sync_batchnorm=sync_batchnorm,
             transform=transform,
             compress=compress,
+            mode=mode,
+            outer_optimizer=outer_optimizer,
             balance=False,
         )
         self.dim = dim
         self._steps: Stepper = job._stepper()
+        # DiLoCo: backward calls stay on the tower, and the script's optimizer steps it alone
+        self._steps.alone = not self._steps.state.plan.reduces
         self._params = {id(p) for p in self.module.parameters()}
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # in first-step order
         self._hook = register_optimizer_step_post_hook(self._stepped)
@@ -296,7 +306,10 @@ class DistributedDataParallel(nn.Module):
 
     def join_now(self) -> None:
         """Empty steps until every rank is out of batches; then every rank takes the state of
-        one that trained to the end (the lowest rank among those that sat out least)."""
+        one that trained to the end (the lowest rank among those that sat out least). DiLoCo's
+        towers step alone: nothing to join."""
+        if self._steps.alone:
+            return
         sat_out = self._steps.join()
         comm = context().comm
         counts = comm.all_gather_object(sat_out)
@@ -313,13 +326,27 @@ class DistributedDataParallel(nn.Module):
             for optimizer, state in zip(optimizers, theirs):
                 optimizer.load_state_dict(state)
 
+    def finish(self) -> None:
+        """The end of training: DiLoCo's last exchange (the model then holds the outer
+        parameters on every rank); otherwise the join."""
+        if self._steps.alone:
+            self._steps.runner.exchange(final=True)
+            self._steps.runner.land()
+        else:
+            self.join_now()
+
     def _stepped(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         """An optimizer stepped: remember it if it steps this model (a join hands its state
-        from a rank that trained to the end to those that sat out)."""
-        if any(optimizer is ref() for ref in self._optimizers):
-            return
-        if any(id(p) in self._params for g in optimizer.param_groups for p in g["params"]):
+        from a rank that trained to the end to those that sat out); in DiLoCo, count the
+        tower's inner step."""
+        ours = any(optimizer is ref() for ref in self._optimizers)
+        if not ours and any(
+            id(p) in self._params for g in optimizer.param_groups for p in g["params"]
+        ):
             self._optimizers.append(weakref.ref(optimizer))
+            ours = True
+        if ours and self._steps.alone:
+            self._steps.stepped_alone()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():

@@ -61,6 +61,7 @@ class Stepper:
         self._own = False  # inside a backward that towers runs itself
         self.warned_skip = False  # a plain backward's skipped step was reported
         self.joining = False  # out of batches: empty steps beside the others' (DDP's join)
+        self.alone = False  # a script's optimizer steps this tower alone (DiLoCo, towers.ddp)
 
     @property
     def driver(self) -> SyncDriver:
@@ -182,6 +183,18 @@ class Stepper:
         finally:
             self.joining = False
 
+    def stepped_alone(self) -> None:
+        """The script's own optimizer has stepped this tower alone (DiLoCo's inner step under
+        ``towers.ddp``): the plan counts the step, weighted by the samples of the forwards since
+        the last one, and the exchange it owes follows."""
+        self.driver.add(0.0, self.since_step)
+        try:
+            self._complete(_Stepped(), self._stamp())  # type: ignore[arg-type]
+        finally:
+            self._done()
+        self.runner.exchange(final=False)
+        self.runner.land()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward calls inside stay on this tower (gradient accumulation, as DDP's)."""
@@ -195,7 +208,7 @@ class Stepper:
 
     def on_unarmed(self) -> bool:
         """A gradient arrived in a backward nobody armed: a script's ``loss.backward()``."""
-        if self._own or self.local:
+        if self._own or self.local or self.alone:
             return False
         if not getattr(self.model, "require_backward_grad_sync", True):  # nanoGPT's switch
             return False
@@ -227,3 +240,10 @@ class Stepper:
             )
         self.runner.exchange(final=False)
         self.runner.land()
+
+
+class _Stepped:
+    """An optimizer that has already stepped: the plan's inner step must not step it again."""
+
+    def step(self) -> None:
+        pass
