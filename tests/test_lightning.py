@@ -105,3 +105,30 @@ def test_a_resumed_fit_equals_an_uninterrupted_one_and_manual_optimization_is_ex
     reference, _ = one_device(global_batch=32)
     reference.check(whole, "2 epochs under strategy='towers'")
     reference.check(torch.load(tmp_path / "manual.pt"), "manual optimization")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_diloco_under_the_trainer_equals_diloco_in_one_process(tmp_path: Path):
+    """TowersStrategy(mode="diloco:4") on 2 devices: the one-process DiLoCo of
+    tests/test_diloco.py over the global batches the ranks' batches make (rank 0's first)."""
+    import functools
+
+    from test_diloco import derived
+
+    fit = fit_module()
+    script = SCRIPT.parent / "lightning_diloco.py"
+    out = tmp_path / "diloco.pt"
+    result = run([sys.executable, str(script), str(out)], tmp_path, 140)
+    assert result.returncode == 0, result.stdout
+    x, y = fit.dataset().tensors
+    order = torch.randperm(fit.SAMPLES, generator=torch.Generator().manual_seed(0))
+    ranks = [order[r::2] for r in range(2)]  # the sampler's dealing, rank-strided
+    batches = [
+        (x[idx], y[idx])
+        for idx in (torch.cat([part[k : k + 16] for part in ranks]) for k in range(0, 501, 16))
+    ]
+    inner = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    outer, _, _ = derived(fit.make_net(), (x, y), batches=batches, batch_size=32,
+                          steps=len(batches), every=4, workers=2, inner=inner)  # fmt: skip
+    outer.check(torch.load(out), "Trainer(strategy=TowersStrategy(mode='diloco:4'))")

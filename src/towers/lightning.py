@@ -13,7 +13,8 @@ Example:
     >>> trainer = lightning.pytorch.Trainer(strategy="towers", accelerator="cpu", devices=2)
     ... # doctest: +SKIP
 
-``TowersStrategy(compress="int8")`` passes towers' options on. Lightning starts the ranks itself
+``TowersStrategy(compress="int8")`` or ``TowersStrategy(mode="diloco:16")`` passes towers'
+options on. Lightning starts the ranks itself
 (``devices=N``: it runs the script once per rank), or runs under ``torchrun`` and ``towers run``
 as its DDP does. See docs/lightning.md.
 """
@@ -95,31 +96,51 @@ def _float_mean(tensor: Any, reduce_op: Any) -> Any:
     return tensor
 
 
+class _Options:
+    """towers' options of a strategy, and the wrapper they make."""
+
+    def __init__(self, mode: str, compress: str | None, outer_optimizer: Any):
+        self.mode, self.compress, self.outer_optimizer = mode, compress, outer_optimizer
+
+    def wrap(self, module: Any) -> ddp.DistributedDataParallel:
+        return ddp.DistributedDataParallel(
+            module, compress=self.compress, mode=self.mode, outer_optimizer=self.outer_optimizer
+        )
+
+
 class TowersStrategy(DDPStrategy):
     """Lightning's ``DDPStrategy`` with towers' sample-weighted step and unpadded sampler.
 
     Args:
+        mode: ``"sync"`` (default), or ``"diloco:H"`` / ``"sparseloco:H"``: each rank's
+            optimizer steps it alone, and every H steps the ranks take an outer step (and a
+            last one at the end of ``fit``).
         compress: a compression by name, as ``towers.train``'s (``"bf16"``, ``"int8"``,
             ``"powersgd:R"``, ...).
-        sync_batchnorm: BatchNorm over the whole global batch (towers' own, exact).
+        outer_optimizer: DiLoCo's outer optimizer, ``params -> Optimizer``.
         **kwargs: ``DDPStrategy``'s (``start_method``, ``timeout``, ``process_group_backend``,
             the cluster environment, ...).
     """
 
     strategy_name = NAME
 
-    def __init__(self, *, compress: str | None = None, sync_batchnorm: bool = False, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        mode: str = "sync",
+        compress: str | None = None,
+        outer_optimizer: Any = None,
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
-        self._compress, self._sync_batchnorm = compress, sync_batchnorm
+        self._towers = _Options(mode, compress, outer_optimizer)
 
     def setup_distributed(self) -> None:
         self.set_world_ranks()
         _join(self, self._timeout)
 
     def _setup_model(self, model: Any) -> Any:
-        return ddp.DistributedDataParallel(
-            model, compress=self._compress, sync_batchnorm=self._sync_batchnorm
-        )
+        return self._towers.wrap(model)
 
     def configure_ddp(self) -> None:
         self.model = self._setup_model(self.model)
@@ -145,7 +166,7 @@ class TowersStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         if isinstance(self.model, ddp.DistributedDataParallel):
-            join_all()  # ranks that ran out of batches first wait for the others
+            self.model.finish()  # DiLoCo's last exchange; else ranks out of batches join
             self.model.remove_hooks()
             self.model = self.lightning_module
         super().teardown()
@@ -171,11 +192,11 @@ class _NoSync(_BackwardSyncControl):
 
 class TowersFabricStrategy(FabricDDPStrategy):
     """``Fabric(strategy="towers")``: Fabric's ``DDPStrategy`` with towers' step and sampler,
-    as :class:`TowersStrategy` is the Trainer's; the same arguments."""
+    as :class:`TowersStrategy` is the Trainer's; ``compress`` and Fabric's own arguments."""
 
-    def __init__(self, *, compress: str | None = None, sync_batchnorm: bool = False, **kwargs: Any):
+    def __init__(self, *, compress: str | None = None, **kwargs: Any):
         super().__init__(**kwargs)
-        self._compress, self._sync_batchnorm = compress, sync_batchnorm
+        self._towers = _Options("sync", compress, None)
         self._backward_sync_control = _NoSync()
 
     def _setup_distributed(self) -> None:
@@ -183,9 +204,7 @@ class TowersFabricStrategy(FabricDDPStrategy):
         _join(self, self._timeout)
 
     def setup_module(self, module: Any) -> Any:
-        return ddp.DistributedDataParallel(
-            module, compress=self._compress, sync_batchnorm=self._sync_batchnorm
-        )
+        return self._towers.wrap(module)
 
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
         return _towers_sampler(dataloader)  # type: ignore[return-value]
