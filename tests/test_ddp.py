@@ -255,6 +255,13 @@ def test_a_model_wrapped_before_the_job_is_joined_is_refused():
     assert not dist.is_initialized()
 
 
+def test_a_parameter_server_mode_is_refused_before_the_job_is_joined(monkeypatch):
+    monkeypatch.setenv("TOWERS_MODE", "async")
+    with pytest.raises(ValueError, match=r"--mode async runs a parameter server"):
+        dist.init_process_group("gloo")
+    assert not dist.is_initialized()
+
+
 def test_an_elastic_job_is_refused_before_it_is_joined(monkeypatch):
     """Under towers run --elastic a lost worker's step is redone, which a script's own
     loss.backward() cannot be: refused with the way out, before any connection."""
@@ -266,14 +273,25 @@ def test_an_elastic_job_is_refused_before_it_is_joined(monkeypatch):
 
 @pytest.mark.timeout(90)
 def test_diloco_under_the_dropin_equals_diloco_in_one_process(tmp_path: Path):
-    """DDP(model, mode="diloco:4"): the script's own loss.backward() and optimizer.step() are
-    each tower's inner steps, the outer steps come every 4 of them and at
-    destroy_process_group; the result is tests/test_diloco.py's one-process DiLoCo."""
+    """DDP(model, mode="diloco:4"), or DDP's own call under towers run --mode diloco:4: the
+    script's own loss.backward() and optimizer.step() are each tower's inner steps, the outer
+    steps come every 4 of them and at destroy_process_group; the result is
+    tests/test_diloco.py's one-process DiLoCo."""
     from helpers import make_net
     from test_diloco import ADAM, DATA, derived
 
-    out = tmp_path / "diloco.pt"
-    launch(tmp_path, ROOT / "tests" / "scripts" / "ddp_diloco.py", 2, "towers", str(out))
+    script = ROOT / "tests" / "scripts" / "ddp_diloco.py"
+    launch(tmp_path, script, 2, "towers", str(tmp_path / "keyword.pt"))
+    # the same script with DDP's own call, the mode from towers run --mode
+    text = script.read_text()
+    assert text.count('DDP(make_net(), mode="diloco:4")') == 1
+    plain = tmp_path / "ddp_plain.py"
+    text = text.replace("Path(__file__).resolve().parents[1]", repr(str(ROOT / "tests")))
+    plain.write_text(text.replace('DDP(make_net(), mode="diloco:4")', "DDP(make_net())"))
+    args = ["-m", "towers", "run", str(plain), "-n", "2", "--mode", "diloco:4", "--"]
+    result = run([sys.executable, *args, str(tmp_path / "flag.pt")], tmp_path, timeout=80)
+    assert result.returncode == 0, result.stdout
     outer, _, _ = derived(make_net(), DATA, batch_size=10, steps=14, every=4, workers=2,
                           inner=ADAM, seed=4)  # fmt: skip
-    outer.check(torch.load(out), "DiLoCo under towers.ddp on 2 ranks")
+    outer.check(torch.load(tmp_path / "keyword.pt"), "DDP(model, mode='diloco:4') on 2 ranks")
+    outer.check(torch.load(tmp_path / "flag.pt"), "towers run --mode diloco:4 on 2 ranks")

@@ -31,10 +31,11 @@ from torch.utils._pytree import tree_leaves
 
 from ..core.devices import moved
 from ..core.launch import read_launch
+from ..core.modes import Engine, parse_mode
 from ..engines.job import OptimizerFactory
 from ..engines.transforms import GradientTransform
 from .context import Context
-from .join import init
+from .join import join
 from .stepper import Stepper
 
 __all__ = [
@@ -89,7 +90,13 @@ def init_process_group(
             f"{', a store' if store is not None else ''}. Launch the script with torchrun or "
             "towers run, and call init_process_group(backend) without them"
         )
-    if read_launch().elastic:
+    launch = read_launch()
+    if parse_mode(launch.mode).engine is not Engine.SYNC:
+        raise ValueError(
+            f"towers run --mode {launch.mode} runs a parameter server, which towers.ddp does "
+            "not: a DDP script trains in sync (default) or in diloco:H / sparseloco:H"
+        )
+    if launch.elastic:
         raise ValueError(
             "towers.ddp does not run under towers run --elastic yet: a step that loses a worker "
             "is redone on the same batch, which a script's own loss.backward() cannot be. Port "
@@ -97,7 +104,7 @@ def init_process_group(
             "or start the job without --elastic"
         )
     seconds = timeout.total_seconds() if timeout is not None else None
-    job = init(backend=_backend(backend), timeout=seconds)
+    job = join(launch, backend=_backend(backend), timeout=seconds)
     for name, given, actual in (
         ("rank", rank, job.rank),
         ("world_size", world_size, job.world_size),
@@ -187,7 +194,8 @@ class DistributedDataParallel(nn.Module):
     ``"powersgd:R"``, ...; by default what ``towers run --compress`` or ``TOWERS_COMPRESS``
     names, so that a script ported by its imports alone can compress), ``transform``, and
     ``mode="diloco:H"`` with ``outer_optimizer`` (the script's ``optimizer.step()`` is then the
-    tower's inner step, and every H-th is followed by the outer step)
+    tower's inner step, and every H-th is followed by the outer step; by default the mode of
+    ``towers run --mode`` or ``TOWERS_MODE``, else ``"sync"``)
     (``sync_batchnorm`` is refused: not yet exact when the ranks' batches differ in size). One
     model per job. torch's ``device_ids`` must name the device the job put this rank on
     (``cuda:LOCAL_RANK`` under NCCL), ``bucket_cap_mb`` sizes the buckets;
@@ -215,7 +223,7 @@ class DistributedDataParallel(nn.Module):
         compress: str | None = None,
         sync_batchnorm: bool = False,
         transform: GradientTransform | None = None,
-        mode: str = "sync",
+        mode: str | None = None,
         outer_optimizer: OptimizerFactory | None = None,
     ):
         super().__init__()
@@ -238,8 +246,10 @@ class DistributedDataParallel(nn.Module):
             )
         _check_devices(job.device, device_ids)
         bucket = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
+        launch = read_launch()
         if compress is None and transform is None:
-            compress = read_launch().compress  # towers run --compress, or TOWERS_COMPRESS
+            compress = launch.compress  # towers run --compress, or TOWERS_COMPRESS
+        mode = launch.mode if mode is None else mode  # towers run --mode, or TOWERS_MODE
         self.module = job.replicate(
             module,
             bucket_bytes=bucket,

@@ -14,13 +14,13 @@ from ..comm.elastic import ElasticConnection
 from ..comm.group import connect
 from ..core.args import check_timeout
 from ..core.compat import elastic_refusal
-from ..core.launch import read_launch
+from ..core.launch import Launch, read_launch
 from ..core.transport import Transport
 from ..engines.sync.group import ElasticGroup, PlainGroup
 from .context import Context
 from .device import loop_placement
 
-__all__ = ["init"]
+__all__ = ["init", "join"]
 
 _NO = "start the job without --elastic"  # how to train on GPUs instead
 
@@ -64,9 +64,22 @@ def init(
     if launch.mode != "sync":
         raise ValueError(
             f"this job was started with --mode {launch.mode}, which applies to scripts that call "
-            "towers.train; the own-loop API (init/replicate/step) is synchronous: start the "
-            "script without --mode, or train with towers.train(..., mode=...)"
+            "towers.train (and to towers.ddp); the own-loop API takes its mode in "
+            "ctx.replicate(model, mode=...): start the script without --mode"
         )
+    return join(launch, backend=backend, timeout=timeout, transport=transport, device=device)
+
+
+def join(
+    launch: Launch,
+    *,
+    backend: str | None = None,
+    timeout: float | None = None,
+    transport: str | None = None,
+    device: str = "auto",
+) -> Context:
+    """:func:`init` for the job ``launch`` describes, whatever mode it was started with (the
+    caller decides what the mode means: ``towers.ddp`` takes it as its models' mode)."""
     timeout = check_timeout(timeout)
     parsed = Transport.parse(transport, launch.transport)
     if backend not in (None, "gloo", "nccl"):

@@ -143,7 +143,8 @@ examples:
         default="sync",
         metavar="M",
         help=f"mode for towers.train in the script, one of {_modes()} (default sync); an "
-        "asynchronous mode adds the parameter server as rank 0",
+        "asynchronous mode adds the parameter server as rank 0. A script on towers.ddp takes "
+        "sync, diloco:H or sparseloco:H",
     )
     run.add_argument(
         "--compress",
