@@ -105,6 +105,13 @@ def test_a_resumed_fit_equals_an_uninterrupted_one_and_manual_optimization_is_ex
     reference, _ = one_device(global_batch=32)
     reference.check(whole, "2 epochs under strategy='towers'")
     reference.check(torch.load(tmp_path / "manual.pt"), "manual optimization")
+    fit = fit_module()
+    x, y = fit.dataset().tensors
+    net = fit.make_net()
+    net.load_state_dict(whole)
+    with torch.no_grad():  # trainer.test: every sample once, as one device tests them
+        expected = float(nn.functional.mse_loss(net(x), y))
+    assert torch.load(tmp_path / "tested.pt")["test_loss"] == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.slow

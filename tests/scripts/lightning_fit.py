@@ -49,6 +49,10 @@ class Net(pl.LightningModule):
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
+    def test_step(self, batch, index):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self):
         optimizer, schedule = optimizer_and_schedule(self.parameters())
         return {"optimizer": optimizer, "lr_scheduler": schedule}

@@ -1,6 +1,6 @@
 """More of Lightning under ``Trainer(strategy="towers", devices=2)``, in one launch: a run of 2
-epochs; the same run stopped after 1 by ``ModelCheckpoint`` and resumed from ``last.ckpt``;
-and manual optimization. Rank 0 saves each run's parameters to OUT/NAME.pt.
+epochs, then ``trainer.test``; the same run stopped after 1 by ``ModelCheckpoint`` and resumed
+from ``last.ckpt``; and manual optimization. Rank 0 saves each run's parameters to OUT/NAME.pt.
 
     python lightning_more.py OUT
 """
@@ -18,6 +18,8 @@ import towers.lightning  # noqa: F401  (registers "towers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lightning_fit import CLIP, Net, dataset
+
+OUT = Path(sys.argv[1])  # where rank 0 saves, and the checkpoints go
 
 
 class Manual(Net):
@@ -39,7 +41,7 @@ class Manual(Net):
         self.lr_schedulers().step()
 
 
-def fit(model, epochs, *, clip=True, checkpoints=None, resume=None):
+def fit(model, epochs, *, clip=True, checkpoints=None, resume=None, test=False):
     trainer = pl.Trainer(
         strategy="towers",
         accelerator="cpu",
@@ -53,16 +55,18 @@ def fit(model, epochs, *, clip=True, checkpoints=None, resume=None):
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(dataset(), batch_size=16), ckpt_path=resume)
+    if test:  # every sample once, over the ranks
+        (tested,) = trainer.test(model, DataLoader(dataset(), batch_size=16), verbose=False)
+        torch.save(tested, OUT / "tested.pt")
     return trainer.global_rank
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1])
     runs = {"whole": Net(), "resumed": Net(), "manual": Manual()}
-    fit(runs["whole"], 2)
-    fit(runs["resumed"], 1, checkpoints=out / "ckpt")
-    fit(runs["resumed"], 2, checkpoints=out / "ckpt", resume=str(out / "ckpt" / "last.ckpt"))
+    fit(runs["whole"], 2, test=True)
+    fit(runs["resumed"], 1, checkpoints=OUT / "ckpt")
+    fit(runs["resumed"], 2, checkpoints=OUT / "ckpt", resume=str(OUT / "ckpt" / "last.ckpt"))
     rank = fit(runs["manual"], 2, clip=False)
     if rank == 0:
         for name, model in runs.items():
-            torch.save(model.net.state_dict(), out / f"{name}.pt")
+            torch.save(model.net.state_dict(), OUT / f"{name}.pt")
