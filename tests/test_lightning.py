@@ -57,27 +57,58 @@ def one_device(global_batch: int) -> tuple[Reference, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_devices_2_ends_with_one_device_s_parameters_and_logs_its_loss(tmp_path: Path):
-    """1001 samples, 2 ranks of 16 (the last global batch 9): the parameters are as close to
-    a float64 loop as a float32 one; the epoch's logged loss is the mean over its samples, and
-    trainer.validate's over every sample once."""
-    out = tmp_path / "towers.pt"
-    result = run([sys.executable, str(SCRIPT), "towers", "2", "16", str(out)], tmp_path, 140)
+@pytest.mark.timeout(200)
+def test_the_trainer_on_2_devices_trains_validates_tests_and_resumes_as_one_device(tmp_path):
+    """tests/scripts/lightning_trainer.py, one launch, 1001 samples, 2 ranks of 16 (the last
+    global batch 9):
+
+    - the fit's parameters are as close to a float64 loop as a float32 one's, its logged loss
+      is the mean over the epoch's samples, validate's and test's over every sample once;
+    - stopped by ModelCheckpoint after epoch 1 and resumed from last.ckpt: bit for bit;
+    - manual optimization: the float64 loop's parameters too;
+    - TowersStrategy(mode="diloco:4"): the one-process DiLoCo of tests/test_diloco.py over
+      the global batches the ranks' batches make (rank 0's first).
+    """
+    script = SCRIPT.parent / "lightning_trainer.py"
+    result = run([sys.executable, str(script), str(tmp_path)], tmp_path, 190)
     assert result.returncode == 0, result.stdout
-    saved = torch.load(out)
+    saved = {n: torch.load(tmp_path / f"{n}.pt") for n in ("whole", "resumed", "manual", "diloco")}
+    metrics = torch.load(tmp_path / "metrics.pt")
     reference, loss = one_device(global_batch=32)
-    reference.check(saved["model"], "Trainer(strategy='towers', devices=2)")
+    reference.check(saved["whole"], "Trainer(strategy='towers', devices=2)")
     # the loss is logged before each step, in float32, in per-rank means weighted by samples
-    assert saved["metrics"]["loss"] == pytest.approx(loss, rel=1e-4)
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-4)
     fit = fit_module()
     x, y = fit.dataset().tensors
     net = fit.make_net()
-    net.load_state_dict(saved["model"])
-    with torch.no_grad():  # trainer.validate: every sample once, weighted as one device does
-        assert saved["metrics"]["val_loss"] == pytest.approx(
-            float(nn.functional.mse_loss(net(x), y)), rel=1e-5
-        )
+    net.load_state_dict(saved["whole"])
+    with torch.no_grad():  # every sample once, weighted as one device weighs them
+        expected = float(nn.functional.mse_loss(net(x), y))
+    assert metrics["val_loss"] == pytest.approx(expected, rel=1e-5)
+    assert metrics["test_loss"] == pytest.approx(expected, rel=1e-5)
+    assert all(torch.equal(saved["whole"][k], saved["resumed"][k]) for k in saved["whole"])
+    reference.check(saved["manual"], "manual optimization")
+    diloco_reference(x, y).check(saved["diloco"], "TowersStrategy(mode='diloco:4')")
+
+
+def diloco_reference(x: torch.Tensor, y: torch.Tensor) -> Reference:
+    """One-process DiLoCo (H=4, SGD with momentum inside) over one epoch's global batches: each
+    rank's rank-strided batches of 16 put together, rank 0's first."""
+    import functools
+
+    from test_diloco import derived
+
+    fit = fit_module()
+    order = torch.randperm(fit.SAMPLES, generator=torch.Generator().manual_seed(0))
+    ranks = [order[r::2] for r in range(2)]
+    batches = [
+        (x[idx], y[idx])
+        for idx in (torch.cat([part[k : k + 16] for part in ranks]) for k in range(0, 501, 16))
+    ]
+    inner = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    outer, _, _ = derived(fit.make_net(), (x, y), batches=batches, batch_size=32,
+                          steps=len(batches), every=4, workers=2, inner=inner)  # fmt: skip
+    return outer
 
 
 @pytest.mark.slow
@@ -90,52 +121,3 @@ def test_fabric_with_devices_2_ends_with_one_device_s_parameters(tmp_path: Path)
     assert result.returncode == 0, result.stdout
     reference, _ = one_device(global_batch=32)
     reference.check(torch.load(out)["model"], "Fabric(strategy='towers', devices=2)")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_a_resumed_fit_equals_an_uninterrupted_one_and_manual_optimization_is_exact(tmp_path):
-    """ModelCheckpoint after epoch 1 and resume from last.ckpt: bit for bit the 2-epoch run.
-    Manual optimization (manual_backward, clip_gradients, step): the float64 loop's result."""
-    script = SCRIPT.parent / "lightning_more.py"
-    result = run([sys.executable, str(script), str(tmp_path)], tmp_path, 140)
-    assert result.returncode == 0, result.stdout
-    whole, resumed = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-    reference, _ = one_device(global_batch=32)
-    reference.check(whole, "2 epochs under strategy='towers'")
-    reference.check(torch.load(tmp_path / "manual.pt"), "manual optimization")
-    fit = fit_module()
-    x, y = fit.dataset().tensors
-    net = fit.make_net()
-    net.load_state_dict(whole)
-    with torch.no_grad():  # trainer.test: every sample once, as one device tests them
-        expected = float(nn.functional.mse_loss(net(x), y))
-    assert torch.load(tmp_path / "tested.pt")["test_loss"] == pytest.approx(expected, rel=1e-5)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_diloco_under_the_trainer_equals_diloco_in_one_process(tmp_path: Path):
-    """TowersStrategy(mode="diloco:4") on 2 devices: the one-process DiLoCo of
-    tests/test_diloco.py over the global batches the ranks' batches make (rank 0's first)."""
-    import functools
-
-    from test_diloco import derived
-
-    fit = fit_module()
-    script = SCRIPT.parent / "lightning_diloco.py"
-    out = tmp_path / "diloco.pt"
-    result = run([sys.executable, str(script), str(out)], tmp_path, 140)
-    assert result.returncode == 0, result.stdout
-    x, y = fit.dataset().tensors
-    order = torch.randperm(fit.SAMPLES, generator=torch.Generator().manual_seed(0))
-    ranks = [order[r::2] for r in range(2)]  # the sampler's dealing, rank-strided
-    batches = [
-        (x[idx], y[idx])
-        for idx in (torch.cat([part[k : k + 16] for part in ranks]) for k in range(0, 501, 16))
-    ]
-    inner = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-    outer, _, _ = derived(fit.make_net(), (x, y), batches=batches, batch_size=32,
-                          steps=len(batches), every=4, workers=2, inner=inner)  # fmt: skip
-    outer.check(torch.load(out), "Trainer(strategy=TowersStrategy(mode='diloco:4'))")

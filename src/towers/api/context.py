@@ -60,11 +60,15 @@ class Context:
         self._group = group
         self.local_rank = group.local_rank
         self.device = group.device
+        self._begin()
+        self._left: tuple[int, int] | None = None  # rank and world size, once closed
+
+    def _begin(self) -> None:
+        """A run's state from its start: no step taken, no model replicated yet."""
         self._last = LastResult()  # the last step's result: a peer's after a regroup
         # the user's batches cannot be replayed: the state agreed on elastic jobs says so
-        self._state = RunState(EveryStep(), self._last, joining=group.joining, replays=False)
-        self._steps = Stepper(group, self._state, self._last)
-        self._left: tuple[int, int] | None = None  # rank and world size, once closed
+        self._state = RunState(EveryStep(), self._last, joining=self._group.joining, replays=False)
+        self._steps = Stepper(self._group, self._state, self._last)
 
     @property
     def steps(self) -> int:
@@ -400,6 +404,13 @@ class Context:
     def _stepper(self) -> Stepper:
         """The steps' owner, for ``towers.ddp``'s wrapper (its switches and its join)."""
         return self._steps
+
+    def _restart(self) -> None:
+        """Start a new run in the same job (``towers.ddp`` wraps a model after the last one was
+        let go, as Lightning does for every ``fit``): its steps count from 0 again, as the
+        mode's periods do."""
+        self._steps.driver.remove()
+        self._begin()
 
     def barrier(self) -> None:
         self.comm.agree_call("ctx.barrier")

@@ -246,6 +246,8 @@ class DistributedDataParallel(nn.Module):
             )
         _check_devices(job.device, device_ids)
         bucket = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
+        if job._stepper().model is not None:  # a model was wrapped and let go: a new run
+            job._restart()
         launch = read_launch()
         if compress is None and transform is None:
             compress = launch.compress  # towers run --compress, or TOWERS_COMPRESS

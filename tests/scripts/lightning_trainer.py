@@ -1,8 +1,10 @@
-"""More of Lightning under ``Trainer(strategy="towers", devices=2)``, in one launch: a run of 2
-epochs, then ``trainer.test``; the same run stopped after 1 by ``ModelCheckpoint`` and resumed
-from ``last.ckpt``; and manual optimization. Rank 0 saves each run's parameters to OUT/NAME.pt.
+"""Lightning's Trainer under ``strategy="towers"`` on 2 devices, every case in one launch (each
+launch starts an interpreter per rank): lightning_fit.py's run of 2 epochs, then
+``trainer.validate`` and ``trainer.test``; the same run stopped after 1 by ``ModelCheckpoint``
+and resumed from ``last.ckpt``; manual optimization; and lightning_diloco.py's DiLoCo. Rank 0
+saves each run's parameters to OUT/NAME.pt and the logged metrics to OUT/metrics.pt.
 
-    python lightning_more.py OUT
+    python lightning_trainer.py OUT
 """
 
 import sys
@@ -14,9 +16,11 @@ import torch.nn as nn
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-import towers.lightning  # noqa: F401  (registers "towers")
+from towers.lightning import TowersStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lightning_diloco import EVERY
+from lightning_diloco import Net as DiLoCoNet
 from lightning_fit import CLIP, Net, dataset
 
 OUT = Path(sys.argv[1])  # where rank 0 saves, and the checkpoints go
@@ -41,9 +45,9 @@ class Manual(Net):
         self.lr_schedulers().step()
 
 
-def fit(model, epochs, *, clip=True, checkpoints=None, resume=None, test=False):
+def fit(model, epochs, *, clip=True, checkpoints=None, resume=None, strategy="towers"):
     trainer = pl.Trainer(
-        strategy="towers",
+        strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_epochs=epochs,
@@ -55,18 +59,22 @@ def fit(model, epochs, *, clip=True, checkpoints=None, resume=None, test=False):
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(dataset(), batch_size=16), ckpt_path=resume)
-    if test:  # every sample once, over the ranks
-        (tested,) = trainer.test(model, DataLoader(dataset(), batch_size=16), verbose=False)
-        torch.save(tested, OUT / "tested.pt")
-    return trainer.global_rank
+    return trainer
 
 
 if __name__ == "__main__":
-    runs = {"whole": Net(), "resumed": Net(), "manual": Manual()}
-    fit(runs["whole"], 2, test=True)
+    runs = {"whole": Net(), "resumed": Net(), "manual": Manual(), "diloco": DiLoCoNet()}
+    trainer = fit(runs["whole"], 2)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    for check in (trainer.validate, trainer.test):  # every sample once, over the ranks
+        (logged,) = check(runs["whole"], DataLoader(dataset(), batch_size=16), verbose=False)
+        metrics.update(logged)
     fit(runs["resumed"], 1, checkpoints=OUT / "ckpt")
     fit(runs["resumed"], 2, checkpoints=OUT / "ckpt", resume=str(OUT / "ckpt" / "last.ckpt"))
-    rank = fit(runs["manual"], 2, clip=False)
-    if rank == 0:
+    fit(runs["manual"], 2, clip=False)
+    diloco = TowersStrategy(mode=f"diloco:{EVERY}")
+    trainer = fit(runs["diloco"], 1, clip=False, strategy=diloco)
+    if trainer.global_rank == 0:
         for name, model in runs.items():
             torch.save(model.net.state_dict(), OUT / f"{name}.pt")
+        torch.save(metrics, OUT / "metrics.pt")
