@@ -11,25 +11,19 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from towers.lightning import TowersStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lightning_fit import dataset, make_net
+import lightning_fit
+from lightning_fit import dataset
 
 LR, MOMENTUM, EVERY = 0.1, 0.9, 4
 
 
-class Net(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = make_net()
-
-    def training_step(self, batch, index):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+class Net(lightning_fit.Net):
+    """lightning_fit.py's model with plain SGD and momentum: no schedule."""
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)

@@ -244,9 +244,7 @@ class Context:
         Afterwards the model holds the outer parameters on every rank. Returns the last outer
         step's result (``None`` in sync mode, or if nothing was left to exchange).
         """
-        outer = self._steps.runner.exchange(final=True)
-        self._steps.runner.land()
-        return outer
+        return self._steps.runner.exchange(final=True)
 
     def backward(
         self, loss: torch.Tensor | None, samples: int | None = None, *, scaler: Any = None

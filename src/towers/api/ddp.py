@@ -343,7 +343,6 @@ class DistributedDataParallel(nn.Module):
         parameters on every rank); otherwise the join."""
         if self._steps.alone:
             self._steps.runner.exchange(final=True)
-            self._steps.runner.land()
         else:
             self.join_now()
 

@@ -59,9 +59,13 @@ class DistributedSampler(distributed.DistributedSampler):
         self.total_size = n - n % world if drop_last else n
         self.batch_size, self.batch_drop_last = batch_size, batch_drop_last
 
+    def _known_batch(self) -> int | None:
+        """The loader's batch size, given or seen in a forward; ``None`` before either."""
+        return self.batch_size if self.batch_size is not None else batch_size_seen()
+
     def _dealt(self) -> int:
         """How many positions of the order the ranks deal this epoch (see the class doc)."""
-        batch = self.batch_size if self.batch_size is not None else batch_size_seen()
+        batch = self._known_batch()
         total, world = self.total_size, self.num_replicas
         if batch is None:
             return total
@@ -84,13 +88,9 @@ class DistributedSampler(distributed.DistributedSampler):
         its model's first forward by then (see the class doc)."""
         world, total = self.num_replicas, self.total_size
         for p in range(self.rank, total, world):
-            if p >= total - self._batch() * world and p >= self._dealt():
+            if p >= total - (self._known_batch() or 1) * world and p >= self._dealt():
                 return
             yield order[p]
-
-    def _batch(self) -> int:
-        """The loader's batch size as far as it is known (1: not yet)."""
-        return (self.batch_size if self.batch_size is not None else batch_size_seen()) or 1
 
     def __len__(self) -> int:
         # torch's sampler keeps it in num_samples; here it follows what is dealt, which the

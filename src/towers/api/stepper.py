@@ -75,19 +75,18 @@ class Stepper:
 
     def shard(self, samples: int, batch: tuple[int, int]) -> None:
         """``ctx.shards`` yields a shard of ``samples`` of a global batch (size, fingerprint)."""
-        self.shard_samples, self.batch = samples, batch
-        self.since_step += samples
+        self.batch = batch
         if samples == 0:
             self.empty = (batch[0], self.group.comm.world_size)
-        self.runner.shard_taken()  # the forward and backward start here
+        self.own_batch(samples)
 
     def own_batch(self, samples: int) -> None:
-        """A rank's own batch of ``samples`` went into the forward (a DDP-style script, each
-        rank drawing its batch): the next step weights this tower by its batches since the last
-        step."""
+        """A batch of ``samples`` goes into this tower's forward (a shard of ``ctx.shards``, or
+        a DDP-style script's own batch): the next step weights this tower by its samples since
+        the last step."""
         self.shard_samples = samples
         self.since_step += samples
-        self.runner.shard_taken()
+        self.runner.shard_taken()  # the forward and backward start here
 
     def weight(self, samples: int | None) -> int:
         if samples is None:
@@ -193,7 +192,6 @@ class Stepper:
         finally:
             self._done()
         self.runner.exchange(final=False)
-        self.runner.land()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -239,7 +237,6 @@ class Stepper:
                 stacklevel=2,
             )
         self.runner.exchange(final=False)
-        self.runner.land()
 
 
 class _Stepped:

@@ -38,11 +38,7 @@ class ElasticConnection:
     """
 
     def __init__(
-        self,
-        launch: Launch,
-        transport: Transport,
-        timeout: float | None,
-        joining: bool = False,
+        self, launch: Launch, transport: Transport, timeout: float | None, joining: bool = False
     ):
         self.transport = transport
         timeout = check_timeout(timeout)

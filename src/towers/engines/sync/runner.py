@@ -14,7 +14,7 @@ their steps through a :class:`StepRunner`:
    alone), and the step is counted.
 4. :meth:`~StepRunner.land`: the results over all towers that arrived steer the split (the loop
    also records them); :meth:`~StepRunner.exchange`: an exchange the plan owes (DiLoCo's outer
-   step).
+   step), between steps of the own loop, then the landing.
 
 Each is done inside the group's attempt (:meth:`~StepRunner.attempt`): an elastic group redoes
 it, from the state the members agreed on, after a lost peer.
@@ -74,8 +74,7 @@ class StepRunner:
         before = self.state.steps
         result = self.attempt(work)
         if result is not None:
-            outer = self.exchange(final=False)
-            self.land()  # the steps' results, and the exchange's, steer the split
+            outer = self.exchange(final=False)  # and the results steer the split
             return result if outer is None else outer
         self.driver.zero_grad()
         if self.state.steps > before and last.result is not None:  # a peer had completed it
@@ -138,8 +137,9 @@ class StepRunner:
         return self.state.plan.exchange(self.driver, self.state.steps, final=final, stamp=stamp)
 
     def exchange(self, final: bool) -> StepResult | None:
-        """Between steps (the own loop): the exchange the plan owes, redone until done; the
-        last outer step's result, if any."""
+        """Between steps (the own loop): the exchange the plan owes, redone until done, then
+        the results that arrived steer the split (:meth:`land`); the last outer step's result,
+        if any."""
         outer, plan, steps = None, self.state.plan, self.state.steps
         while plan.owes(steps, steps if final else None):
             calling(f"the outer step (step {steps})")
@@ -147,4 +147,5 @@ class StepRunner:
             stamp = BatchStamp(comm.world_size).pack(comm.rank, steps, None, None)
             run = functools.partial(plan.exchange, self.driver, steps, final=final, stamp=stamp)
             outer = self.attempt(run) or outer
+        self.land()
         return outer
