@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 import torch
+from helpers import unused_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -53,12 +53,6 @@ def run_example(name: str, *flags: str, cwd: Path, timeout: float = 90) -> str:
     result = run([sys.executable, str(EXAMPLES / name), *flags], cwd, timeout)
     assert result.returncode == 0, f"{name} exited {result.returncode}:\n{result.stdout}"
     return result.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -202,7 +196,7 @@ def test_char_gpt_on_four_ranks_under_towers_run_equals_one_process(tmp_path: Pa
 @pytest.mark.timeout(100)
 def test_char_gpt_under_torchrun_and_its_check_can_fail(tmp_path: Path) -> None:
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    launcher += ["--master-port", str(free_port()), str(EXAMPLES / "char_gpt.py")]
+    launcher += ["--master-port", str(unused_port()), str(EXAMPLES / "char_gpt.py")]
     flags = ["--max-iters", "16", "--eval-interval", "8", "--lr-decay-iters", "16"]
     result = run([sys.executable, *launcher, *flags], tmp_path, timeout=90)
     assert result.returncode == 0, result.stdout
