@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import functools
 import io
 import os
 import signal
@@ -78,6 +79,7 @@ def run(job: Job) -> None:
         torch.set_num_threads(int(threads))
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()  # from fresh entropy, as a new interpreter's
+    _keep_destroyed_groups()
     script = job.argv[0]
     sys.argv = list(job.argv)
     sys.path[0] = os.path.dirname(os.path.realpath(script))
@@ -89,6 +91,34 @@ def run(job: Job) -> None:
         code = compile(f.read(), script, "exec", dont_inherit=True)
     sys.excepthook = _from_script(script)
     exec(code, module.__dict__)
+
+
+def _keep_destroyed_groups() -> None:
+    """Keep every process group the script destroys referenced until the rank ends.
+
+    A script that calls ``destroy_process_group()`` while its DDP model still holds the group
+    frees the group when the model goes, often on returning from ``main()``. The destructor
+    joins Gloo's worker thread while holding the GIL, and that thread may be waiting for the GIL
+    to release the last collective's tensor (pytorch#56297): the rank hangs at its very end. In
+    forked ranks this hung 2-3 runs in 12 of a plain DDP script; fresh interpreters hit it less
+    often. Kept, the group is released when the forked rank leaves with ``os._exit``, without
+    its destructor; ``shutdown()`` has run by then. (A script that builds and destroys groups
+    many times keeps each one's memory and sockets until it ends.)
+    """
+    c10d: Any = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is None:
+        return
+    destroy = c10d.destroy_process_group
+    kept: list[Any] = []
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group: Any = None) -> None:
+        kept.extend(c10d._world.pg_map if group is None else [group])
+        destroy(group)
+
+    c10d.destroy_process_group = destroy_process_group
+    dist: Any = sys.modules["torch.distributed"]
+    dist.destroy_process_group = destroy_process_group
 
 
 def _reopen_stdio(unbuffered: bool) -> None:

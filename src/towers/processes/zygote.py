@@ -47,7 +47,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from .as_script import Job, run, run_and_end
+from .as_script import Job, run_and_end
 from .env import describe_exit, thread_share
 from .lifeline import die_with_parent
 from .start import START_ENV, default_signal_handlers
@@ -302,7 +302,8 @@ def main() -> None:
     forked child run its script."""
     job = _preload_and_serve(socket.socket(fileno=int(sys.argv[1])))
     if job is not None:
-        run(job)
+        code = run_and_end(job)
+        os._exit(code)  # as a forked zygote's rank: no destructors at interpreter shutdown
 
 
 def _preload_and_serve(sock: socket.socket, lazy: bool = False) -> Job | None:
