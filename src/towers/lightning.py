@@ -140,7 +140,13 @@ class TowersStrategy(DDPStrategy):
         _join(self, self._timeout)
 
     def _setup_model(self, model: Any) -> Any:
-        return self._towers.wrap(model)
+        wrapped = self._towers.wrap(model)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.accumulate_grad_batches > 1:
+            # Lightning divides each micro-batch's mean loss by their number: one device's
+            # step then weighs the micro-batches alike, a short last one too
+            wrapped.weigh_micro_batches()
+        return wrapped
 
     def configure_ddp(self) -> None:
         self.model = self._setup_model(self.model)

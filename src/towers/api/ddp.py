@@ -36,6 +36,7 @@ from ..engines.job import OptimizerFactory
 from ..engines.transforms import GradientTransform
 from .context import Context
 from .join import join
+from .micro import MicroBatches
 from .stepper import Stepper
 
 __all__ = [
@@ -271,6 +272,15 @@ class DistributedDataParallel(nn.Module):
         self._hook = register_optimizer_step_post_hook(self._stepped)
         _models.add(self)
 
+    def weigh_micro_batches(self) -> None:
+        """Weigh each accumulated micro-batch as one process on the ranks' batches would, also
+        where they hold unequal samples (:mod:`towers.api.micro`): each forward of an
+        accumulated step then sums its samples over the ranks. For a caller whose ranks run the
+        same forwards in every step, to the end (Lightning's strategy: its sampler ends the
+        ranks' batches together); a rank that ran out first would meet those sums with its
+        empty steps."""
+        self._steps.micro = MicroBatches(self.module.parameters(), lambda: context().comm)
+
     # -- DDP's switches --------------------------------------------------------------------
 
     @property
@@ -364,7 +374,7 @@ class DistributedDataParallel(nn.Module):
             global _batch
             samples = _samples(inputs, kwargs, self.dim)
             _batch = samples if _batch is None else _batch
-            self._steps.own_batch(samples)
+            self._steps.own_forward(samples)
         return self.module(*inputs, **kwargs)
 
     def remove_hooks(self) -> None:
@@ -372,6 +382,9 @@ class DistributedDataParallel(nn.Module):
         a later ``fit`` wraps it again)."""
         self._hook.remove()
         self._steps.driver.remove()
+        if self._steps.micro is not None:
+            self._steps.micro.remove()
+            self._steps.micro = None
         _models.discard(self)
 
 

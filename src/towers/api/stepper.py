@@ -32,6 +32,7 @@ from ..engines.sync.driver import SyncDriver
 from ..engines.sync.group import Group
 from ..engines.sync.runner import StepRunner
 from ..engines.sync.state import LastResult, RunState
+from .micro import MicroBatches
 from .mistakes import (
     BACKWARD_TWICE,
     NO_SAMPLES,
@@ -62,6 +63,7 @@ class Stepper:
         self.warned_skip = False  # a plain backward's skipped step was reported
         self.joining = False  # out of batches: empty steps beside the others' (DDP's join)
         self.alone = False  # a script's optimizer steps this tower alone (DiLoCo, towers.ddp)
+        self.micro: MicroBatches | None = None  # towers.ddp: accumulated micro-batches' sizes
 
     @property
     def driver(self) -> SyncDriver:
@@ -87,6 +89,21 @@ class Stepper:
         self.shard_samples = samples
         self.since_step += samples
         self.runner.shard_taken()  # the forward and backward start here
+
+    def own_forward(self, samples: int) -> None:
+        """A DDP-style script's training forward of ``samples`` samples (:meth:`own_batch`);
+        in an accumulated step, its micro-batch's size over all ranks is learned too
+        (:mod:`towers.api.micro`)."""
+        self.own_batch(samples)
+        micro = self.micro
+        if micro is None or self.alone or not self.state.plan.reduces or self.group.elastic:
+            return
+        if (
+            micro.active
+            or self.local
+            or not getattr(self.model, "require_backward_grad_sync", True)
+        ):
+            micro.forward(samples)
 
     def weight(self, samples: int | None) -> int:
         if samples is None:
@@ -134,6 +151,8 @@ class Stepper:
     def _done(self) -> None:
         self.shard_samples, self.batch, self.accumulated = None, None, False
         self.since_step, self.empty = 0, None
+        if self.micro is not None:
+            self.micro.reset()
 
     def run(
         self,
@@ -217,7 +236,9 @@ class Stepper:
             raise RuntimeError(PLAIN_BACKWARD_EMPTY_SHARD.format(batch=batch, world=world))
         if self.since_step == 0:
             raise RuntimeError(PLAIN_BACKWARD_NO_SHARDS)
-        self.runner.arm_plain(self.since_step, self._finish_plain)
+        micro = self.micro if self.micro is not None and self.micro.active else None
+        scale = None if micro is None else micro.scale()
+        self.runner.arm_plain(self.since_step, self._finish_plain, scale=scale)
         return True
 
     def _finish_plain(self) -> None:

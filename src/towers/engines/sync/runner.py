@@ -94,12 +94,13 @@ class StepRunner:
         if self.state.plan.reduces:
             self.driver.arm()
 
-    def arm_plain(self, samples: int, finish: Callable[[], None]) -> None:
+    def arm_plain(self, samples: int, finish: Callable[[], None], scale: int | None = None) -> None:
         """A backward nobody armed has reached its first gradient (a script's own
         ``loss.backward()``): reduce it, each gradient times ``samples`` (its loss is a mean
-        over them), and call ``finish`` when the backward ends, as DDP finishes its reduction
-        there (autograd's end-of-backward callback)."""
-        self.driver.arm(scale=samples)
+        over them; ``scale``: times that instead, for gradients weighted already), and call
+        ``finish`` when the backward ends, as DDP finishes its reduction there (autograd's
+        end-of-backward callback)."""
+        self.driver.arm(scale=samples if scale is None else scale)
         self.driver.add(0.0, samples)
         self.driver.loss_unseen()
         torch.autograd.Variable._execution_engine.queue_callback(finish)
