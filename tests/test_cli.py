@@ -142,7 +142,7 @@ def towers_run(tmp_path: Path, *args: str, fresh: bool = False) -> subprocess.Co
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(100)  # two launchers, each call bounded by 50 s
 def test_towers_run_prefixes_every_line_with_its_rank(tmp_path):
     done = towers_run(tmp_path, "-n", "2", "--x", "1")  # no --: --x is not an option of run
     assert done.returncode == 0, done.stderr
@@ -157,7 +157,7 @@ def test_towers_run_prefixes_every_line_with_its_rank(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)  # four launchers, each importing torch; each call is bounded by 50 s
 def test_towers_run_shows_only_the_ranks_asked_for(tmp_path):
     done = towers_run(tmp_path, "-n", "3", "--show-ranks", "0", fresh=True)
     assert done.returncode == 0, done.stderr
