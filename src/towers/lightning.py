@@ -141,11 +141,10 @@ class TowersStrategy(DDPStrategy):
 
     def _setup_model(self, model: Any) -> Any:
         wrapped = self._towers.wrap(model)
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is not None and trainer.accumulate_grad_batches > 1:
-            # Lightning divides each micro-batch's mean loss by their number: one device's
-            # step then weighs the micro-batches alike, a short last one too
-            wrapped.weigh_micro_batches()
+        # With accumulate_grad_batches (or a GradientAccumulationScheduler), Lightning divides
+        # each micro-batch's mean loss by their number: one device weighs them alike, a short
+        # last one too. A step without accumulation costs nothing more.
+        wrapped.weigh_micro_batches()
         return wrapped
 
     def configure_ddp(self) -> None:
