@@ -231,7 +231,7 @@ server = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE,
 atexit.register(os.kill, server.pid, signal.SIGKILL)
 print(server.pid, flush=True)
 assert server.stdout.readline() == "up\\n"
-pulse = Pulse(own_client("127.0.0.1", port, 30, None), "beat", every=0.05)
+pulse = Pulse(own_client("127.0.0.1", port, 30, None), "beat", every=0.05).start()
 os.kill(server.pid, signal.SIGSTOP)
 time.sleep(0.5)  # the pulse's call now waits
 began = time.monotonic()

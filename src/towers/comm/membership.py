@@ -7,31 +7,23 @@ new one) and a heartbeat thread that counts up ``hb/<id>`` every :data:`HEARTBEA
 Generation ``g`` is a list of member ids (``g<g>/members``, written once by the supervisor); a
 member's rank is its index in that list. Its keys:
 
-- ``g<g>/here``: arrivals; the members form a process group (over the prefix ``g<g>/pg``) once
-  all have arrived.
+- ``g<g>/here``: arrivals; the members form a process group (``g<g>/pg``) once all are here.
 - ``g<g>/failed``: set by the supervisor when a member died or hung (after it killed it), with
   the dead ids and the time of death. The heartbeat thread watches it and sets the interrupt
   event, which makes a waiting collective raise :class:`~towers.comm.base.PeerFailure`; the
   members then enter ``g + 1``, which the supervisor publishes without the dead.
 - ``g<g>/regroup``: a replacement is ready and waits in ``g + 1``; the members agree, in the
-  metadata of a step, to move there after that step.
-- ``join/<id>``: the generation a replacement enters; ``ready/<id>``: a replacement is built;
-  ``terms``: what every member shares (the model's parameters and buffers, the mode, the
-  compression), written by a generation's rank 0, which a newcomer compares with its own before
-  it asks to be let in; ``refused/<id>``: a newcomer that differs says how, and stops;
-  ``left/<id>``: a worker is done and stopped its heartbeat; ``lost/<id>``: when and why a
-  worker was declared lost (a worker that finds itself dropped says so, and exits).
+  metadata of a step, to move there after that step. A newcomer compares ``terms`` (what every
+  member shares) with its own before it asks to be let in, and says how it differs
+  (``refused/<id>``) and stops if it does; a dropped worker finds ``lost/<id>``, says so, exits.
 
-The store is on another host in a job across hosts, and a network partition answers nothing
-at all: no error, a call that never returns. The heartbeat's calls are timed
-(:class:`WatchedStore`): one that has not returned within the timeout ends the worker with a
-line saying that it lost contact with the job, and since when.
+Across hosts a network partition answers nothing at all: the heartbeat's calls are timed
+(:class:`WatchedStore`), and one unanswered for the timeout ends the worker with a line saying
+that it lost contact with the job, and since when.
 
 The keys and records are named in :mod:`towers.comm.protocol`. Every key lives under the job's
-prefix, and the records that decide who is a member
-(``members``, ``failed``, ``regroup``, ``join``, ``ready``) are signed with the job's secret
-(:mod:`towers.comm.store`): a process that reaches the store can list the keys, but its own
-records are passed over, so it cannot make itself a member.
+prefix, and the records that decide who is a member are signed with the job's secret
+(:mod:`towers.comm.store`): a process that reaches the store cannot make itself a member.
 """
 
 from __future__ import annotations
@@ -77,8 +69,7 @@ class Dropped(SystemExit):
 
 
 class JobLost(SystemExit):
-    """The job's store stopped answering (the supervisor died, or a partition cut this worker
-    off): a ``SystemExit`` with the line saying why, for :class:`Dropped`'s reason."""
+    """The job's store stopped answering (a dead supervisor, a partition), as :class:`Dropped`."""
 
 
 class JoinRefused(SystemExit):
@@ -153,8 +144,9 @@ class WatchedStore:
 
     A TCP connection across a network partition neither answers nor fails: a call blocks until
     the kernel gives up, a quarter of an hour later. A thread of this object's own checks the
-    call in flight, and calls ``lost(when)`` (``when``: the wall time of the last answer) once
-    one has not returned within ``timeout`` seconds; ``lost`` is expected to end the process.
+    call in flight (from :meth:`start`), and calls ``lost(when)`` (``when``: the wall time of the
+    last answer) once one has not returned within ``timeout`` seconds; ``lost`` is expected to
+    end the process.
     """
 
     def __init__(self, store: Any, timeout: float, lost: Callable[[float], None]):
@@ -165,7 +157,11 @@ class WatchedStore:
         self._lost = lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="towers-contact", daemon=True)
+
+    def start(self) -> WatchedStore:
+        """Start watching the calls; returns itself."""
         self._thread.start()
+        return self
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.store, name)
@@ -213,9 +209,13 @@ class Pulse:
     def __init__(self, client: tuple[Any, Callable[[], None]], name: str, every: float = HEARTBEAT):
         (self.store, self._cut), self.name, self.every = client, name, every
         self._stop = threading.Event()
-        self.store.add(name, 1)
         self._thread = threading.Thread(target=self._run, name="towers-pulse", daemon=True)
+
+    def start(self) -> Pulse:
+        """The first beat, then one every ``every`` seconds from the thread; returns itself."""
+        self.store.add(self.name, 1)
         self._thread.start()
+        return self
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
@@ -285,7 +285,7 @@ class Membership:
         self.store = open_store(addr, port, timeout, secret)
         # The store client is not shared across threads: the heartbeat has its own.
         beat, self._cut = own_client(addr, port, timeout, secret)
-        self._beat_store = WatchedStore(beat, timeout, self._cut_off)
+        self._beat_store = WatchedStore(beat, timeout, self._cut_off).start()
         self._beat_store.add(protocol.heartbeat(self.id), 1)
         self._thread.start()
         return self

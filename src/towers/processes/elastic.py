@@ -254,7 +254,12 @@ class OneHost:
     free port unless ``port``), keeps the generations, and starts up to ``max_restarts``
     replacements, with the next free ids. ``secret``: the job's (a fresh one by default).
     ``first``: the workers that start the job (0..first-1; default all); the others are
-    started with them as newcomers, each let in at the members' next step once it is built."""
+    started with them as newcomers, each let in at the members' next step once it is built.
+    The store is hosted by :meth:`connect`, not by the constructor."""
+
+    store: Any
+    generations: Generations
+    port: int  # the store's, once connected
 
     def __init__(
         self,
@@ -271,14 +276,24 @@ class OneHost:
         # The workers get the job's secret in their environment; it signs the records here.
         self.secret = new_secret() if secret is None else secret
         self.signer: JobSecret | None = JobSecret(self.secret)
-        self.port = free_port(addr) if port is None else port
-        self.store = serve_store(addr, self.port, timeout, self.signer)
-        self.generations = Generations(self.store, self.signer)
-        self.generations.publish(list(range(self.first)))
+        self.asked_port, self.timeout = port, timeout
         self.later = list(range(self.first, workers))  # started at the first tick, as newcomers
-        self.generations.waiting.update(self.later)
         self.restarts, self.next_id = 0, workers
         self.running: Mapping[int, Worker] = {}
+
+    def connect(self) -> OneHost:
+        """Host the job's store (on a free port unless one was given) and publish the first
+        generation; returns itself.
+
+        Raises:
+            OSError: the port is taken, or the address is not this host's.
+        """
+        self.port = free_port(self.addr) if self.asked_port is None else self.asked_port
+        self.store = serve_store(self.addr, self.port, self.timeout, self.signer)
+        self.generations = Generations(self.store, self.signer)
+        self.generations.publish(list(range(self.first)))
+        self.generations.waiting.update(self.later)
+        return self
 
     def join(self, running: Mapping[int, Worker]) -> tuple[list[int], bool]:
         self.running = running
@@ -358,7 +373,7 @@ def supervise(
         send.close()
         return Forked(p, recv)
 
-    peers = OneHost(workers, max_restarts, addr, timeout, first=first)
+    peers = OneHost(workers, max_restarts, addr, timeout, first=first).connect()
     sup = Supervisor(peers, start, hang, timeout)
     try:
         return sup.run()
@@ -390,7 +405,7 @@ def run_script_elastic(
     start = ScriptStarter(script, args, workers)
     hang = min(HANG_SECONDS, timeout)
     try:
-        peers = OneHost(workers, max_restarts, addr, timeout, port, secret)
+        peers = OneHost(workers, max_restarts, addr, timeout, port, secret).connect()
         sup = Supervisor(peers, start, hang, timeout)
     except OSError as exc:  # the port is taken, or addr is not this host's
         start.close()

@@ -57,7 +57,7 @@ def run_script_nodes(
     sup: Supervisor | None = None
     place = (nproc, nnodes, node_rank, max_restarts, addr, port, timeout, secret, node_timeout)
     try:
-        nodes = Nodes(*place)
+        nodes = Nodes(*place).connect()
         where = f"node {nodes.node}"  # claimed from node 0's store if not given
         sup = Supervisor(nodes, start, min(HANG_SECONDS, timeout), timeout)
         outcome = sup.run(until_all=True)

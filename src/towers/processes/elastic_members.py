@@ -12,7 +12,17 @@ from ..comm.store import get_signed, host_store, job_store, put_signed
 from ..core.secret import JobSecret
 from .spawn import WorkerError
 
-__all__ = ["Generations", "serve_store"]
+__all__ = ["Generations", "NodeDropped", "NodeRefused", "serve_store"]
+
+
+class NodeDropped(Exception):
+    """Node 0 dropped this node (it heard nothing from it for a while) and the job is ending,
+    so nothing is left to rejoin: it stops, the job goes on."""
+
+
+class NodeRefused(Exception):
+    """The job does not take this node (its place is taken, or it differs from node 0's): it
+    stops at once, and the job goes on untouched."""
 
 
 def serve_store(addr: str, port: int, timeout: float, secret: JobSecret | None) -> Any:

@@ -9,26 +9,20 @@ one host (process, heartbeat, a replacement for each of its own lost workers), a
 (:class:`~towers.processes.elastic.Supervisor`), handed :class:`Nodes` as its peers; the
 store's keys (named in :mod:`towers.comm.protocol`):
 
-- ``notices`` / ``notice/<n>``: the n-th loss (a worker id and when), posted by the node that
-  killed it; node 0 marks the generations it was in as failed and publishes the next one.
-- ``restarts``: replacements started, job-wide (at most ``--max-restarts``). ``ids``: the
-  newcomers' ids given out (replacements and the workers of a node that rejoins), the n-th is
-  ``M * N + n - 1``, and ``node_of/<id>`` names its node. Node 0 lets each in once it is built,
-  at the members' next step, and a live member sends it the state.
-- ``node/<r>/claim``: a ``towers run`` holds node ``r``; a second one for it is refused.
-  With ``--nnodes MIN:MAX`` nodes 0..MIN-1 start the job, and a node MIN..MAX-1 may join it
-  while it runs: its workers are newcomers (fresh ids, let in as replacements are), and node
-  0 watches it, and waits for it, from its first heartbeat on.
-- ``finishing``: a worker has finished (every member has done every step): no more
-  replacements, and latecomers are stopped by their own node.
-- ``abort``: a worker failed (exited non-zero): every node stops its workers and exits.
-- ``node/<r>/beat``, ``node/<r>/done``: each launcher's heartbeat (counted up every 0.2 s by a
-  thread of its own, :class:`~towers.comm.membership.Pulse`, so that a launcher whose main loop
-  is starved on a loaded machine still shows it is alive), and that it has no workers left. Node
-  0 keeps the store up until every node is done; a node whose launcher falls silent for the node
-  timeout (:func:`~towers.core.args.node_timeout_of`: a quarter of the job's timeout unless
-  given) is lost with all its workers (they die with their launcher), and the others train on. A
-  node that loses node 0 (the store) stops.
+- ``notice/<n>``: the n-th loss, posted by the node that killed it; node 0 marks the
+  generations it was in as failed and publishes the next one. ``restarts``: replacements,
+  job-wide (at most ``--max-restarts``); ``ids``: newcomer ids given out, the n-th
+  ``M * N + n - 1``, each let in at the members' next step once it is built.
+- ``node/<r>/claim``: a ``towers run`` holds node ``r`` (a second one is refused). With
+  ``--nnodes MIN:MAX``, a node MIN..MAX-1 may join the running job: its workers are newcomers,
+  and node 0 watches it from its first heartbeat on.
+- ``finishing``: every member has done every step: no more replacements, and latecomers are
+  stopped by their own node. ``abort``: a worker failed: every node stops and exits.
+- ``node/<r>/beat``, ``node/<r>/done``: each launcher's heartbeat (every 0.2 s from a thread
+  of its own, :class:`~towers.comm.membership.Pulse`, alive on a starved machine too), and that
+  it has no workers left. Node 0 keeps the store up until every node is done; a node silent for
+  the node timeout (:func:`~towers.core.args.node_timeout_of`) is lost with all its workers,
+  and the others train on. A node that loses node 0 (the store) stops.
 - ``node/<r>/dropped``, ``lost/<id>``: node 0 dropped node ``r`` (silent, not necessarily
   dead: a network partition, a stopped host), and when. Node ``r``, if it hears from the job
   again before it ends, stops its dropped workers (not taken for failed ones), starts as many
@@ -59,7 +53,7 @@ from ..comm.membership import Pulse, WatchedStore, clock, open_store, own_client
 from ..comm.store import get_signed
 from ..core.args import nnodes_of, node_timeout_of
 from ..core.secret import JobSecret
-from .elastic_members import Generations, serve_store
+from .elastic_members import Generations, NodeDropped, NodeRefused, serve_store
 from .elastic_workers import Worker
 from .env import worker_env
 from .lifeline import end_now
@@ -68,20 +62,19 @@ from .spawn import WorkerError
 __all__ = ["NodeDropped", "NodeRefused", "Nodes"]
 
 
-class NodeDropped(Exception):
-    """Node 0 dropped this node (it heard nothing from it for a while) and the job is ending,
-    so nothing is left to rejoin: it stops, the job goes on."""
-
-
-class NodeRefused(Exception):
-    """The job does not take this node (its place is taken, or it differs from node 0's): it
-    stops at once, and the job goes on untouched."""
-
-
 class Nodes:
     """Where the peers of one node's supervisor live: on every node, over one store (see the
     module doc). Node 0's hosts the store and keeps the generations. ``nnodes``: the nodes the
-    job starts with, or ``(MIN, MAX)``: nodes MIN..MAX-1 join it while it runs."""
+    job starts with, or ``(MIN, MAX)``: nodes MIN..MAX-1 join it while it runs. The store, this
+    node's place in the job and its heartbeat come with :meth:`connect`, not the constructor."""
+
+    store: Any  # the job's: hosted here (node 0, the coordinator) or node 0's, watched
+    coordinator: bool
+    generations: Generations  # kept by node 0 only
+    joiner: bool  # a node that joins the running job
+    local_rank: dict[int, int]  # worker id -> local rank (a joiner's come as it joins)
+    first: list[int]  # the workers this node starts with
+    pulse: Pulse  # this node's heartbeat
 
     def __init__(
         self,
@@ -101,12 +94,10 @@ class Nodes:
         self.workers, self.max_restarts = nproc * least, max_restarts
         self.addr, self.port, self.timeout = addr, port, timeout
         self.secret = secret  # the workers get it; it signs the membership records
-        self.signer = signer = None if secret is None else JobSecret(secret)
+        self.signer = None if secret is None else JobSecret(secret)
         self.running: Mapping[int, Worker] = {}
         self.away: set[int] = set()  # nodes dropped, until they come back (node 0)
         self.node = -1 if node is None else node  # -1: claimed from node 0's store (_claim)
-        self.store, self.coordinator = self._connect(node)
-        self.generations = Generations(self.store, signer)  # kept by node 0 only
         self.local_new: set[int] = set()  # this node's replacements
         self.finishing = False  # a worker has finished, here or on another node
         self.seen = 0  # notices read (node 0)
@@ -116,45 +107,50 @@ class Nodes:
         self.told: set[str] = set()
         self.launched = time.monotonic()
         self.watched = set(range(least))  # the nodes node 0 waits for: those in the job
+        self._stale: list[Pulse] = []  # pulses replaced on a rejoin, closed again at the end
+
+    def connect(self) -> Nodes:
+        """Host or reach the job's store, take this node's place and start its heartbeat;
+        returns itself. Raises :class:`NodeRefused` (the job does not take this node) or
+        ``WorkerError`` (its ``-n`` or ``--nnodes`` differs from node 0's)."""
+        self.store, self.coordinator = self._connect()
+        self.generations = Generations(self.store, self.signer)
         self._same_width()
-        self.joiner = self.node >= least  # a node that joins the running job
-        # worker id -> local rank; a joining node's ids are given out when it joins
-        ids = range(self.node * nproc, (self.node + 1) * nproc)
+        self.joiner = self.node >= self.nnodes
+        ids = range(self.node * self.nproc, (self.node + 1) * self.nproc)
         self.local_rank = {} if self.joiner else {wid: wid - ids[0] for wid in ids}
-        self.first = list(self.local_rank)
-        if self.joiner:
-            self.first = self._take_place()
+        self.first = self._take_place() if self.joiner else list(self.local_rank)
         if self.coordinator:
             self.generations.publish(list(range(self.workers)))
         self.pulse = self._pulse()
-        self._stale: list[Pulse] = []  # pulses replaced on a rejoin, closed again at the end
+        return self
 
     def _pulse(self) -> Pulse:
         """This node's heartbeat, on a store client of its own (node 0 watches it; the main
         loop's calls are watched here)."""
         beat = own_client(self.addr, self.port, self.timeout, self.signer)
-        return Pulse(beat, protocol.node(self.node, "beat"), every=min(0.2, self.silence / 10))
+        return Pulse(beat, protocol.node(self.node, "beat"), min(0.2, self.silence / 10)).start()
 
     def stop_beating(self) -> None:
         """End this node's heartbeats before it exits (see :func:`own_client`)."""
         for pulse in [*self._stale, self.pulse]:
             pulse.close()
 
-    def _connect(self, node: int | None) -> tuple[Any, bool]:
+    def _connect(self) -> tuple[Any, bool]:
         """The job's store, and whether this node hosts it: node 0 does; without a node rank,
         the host that can listen on the address (its own, and the port free) does."""
-        if node in (0, None):
+        if self.node in (0, -1):
             try:
                 store = serve_store(self.addr, self.port, self.timeout, self.signer)
             except OSError as exc:  # not this host's address, or node 0 listens on it here
-                if node == 0 or exc.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+                if self.node == 0 or exc.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
                     raise
             else:
                 self.node = 0
                 return store, True
         # refused at once if node 0's store is another job's, or has another secret
         client = open_store(self.addr, self.port, self.timeout, self.signer)
-        return WatchedStore(client, self.timeout, self._cut_off), False
+        return WatchedStore(client, self.timeout, self._cut_off).start(), False
 
     def join(self, running: Mapping[int, Worker]) -> tuple[list[int], bool]:
         self.running = running
