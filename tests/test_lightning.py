@@ -134,10 +134,13 @@ def diloco_reference(x: torch.Tensor, y: torch.Tensor) -> Reference:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_fabric_with_devices_2_ends_with_one_device_s_parameters(tmp_path: Path):
-    """The same training in a loop of one's own under Fabric(strategy="towers")."""
+    """The same training in a loop of one's own under Fabric(strategy="towers"), accumulating
+    two micro-batches a step under fabric.no_backward_sync: the short last batch shares its
+    step with a full one, and each micro-batch is weighed as one device weighs it."""
     script = SCRIPT.parent / "fabric_fit.py"
     out = tmp_path / "fabric.pt"
-    result = run([sys.executable, str(script), "towers", "2", "16", str(out)], tmp_path, 140)
+    cmd = [sys.executable, str(script), "towers", "2", "16", str(out), "2"]
+    result = run(cmd, tmp_path, 140)
     assert result.returncode == 0, result.stdout
-    reference, _ = one_device(global_batch=32)
-    reference.check(torch.load(out)["model"], "Fabric(strategy='towers', devices=2)")
+    reference, _ = one_device(global_batch=32, accumulate=2)
+    reference.check(torch.load(out)["model"], "Fabric(strategy='towers', devices=2), accumulating")

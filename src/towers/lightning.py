@@ -103,9 +103,16 @@ class _Options:
         self.mode, self.compress, self.outer_optimizer = mode, compress, outer_optimizer
 
     def wrap(self, module: Any) -> ddp.DistributedDataParallel:
-        return ddp.DistributedDataParallel(
+        wrapped = ddp.DistributedDataParallel(
             module, compress=self.compress, mode=self.mode, outer_optimizer=self.outer_optimizer
         )
+        # Accumulating (accumulate_grad_batches, a GradientAccumulationScheduler, a Fabric
+        # loop's no_backward_sync), each micro-batch's mean loss is divided by their number:
+        # one device weighs them alike, a short last one too. Lightning's loaders end the
+        # ranks' batches together (towers' sampler), and a step that does not accumulate costs
+        # nothing more.
+        wrapped.weigh_micro_batches()
+        return wrapped
 
 
 class TowersStrategy(DDPStrategy):
@@ -140,12 +147,7 @@ class TowersStrategy(DDPStrategy):
         _join(self, self._timeout)
 
     def _setup_model(self, model: Any) -> Any:
-        wrapped = self._towers.wrap(model)
-        # With accumulate_grad_batches (or a GradientAccumulationScheduler), Lightning divides
-        # each micro-batch's mean loss by their number: one device weighs them alike, a short
-        # last one too. A step without accumulation costs nothing more.
-        wrapped.weigh_micro_batches()
-        return wrapped
+        return self._towers.wrap(model)
 
     def configure_ddp(self) -> None:
         self.model = self._setup_model(self.model)

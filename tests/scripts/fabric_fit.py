@@ -1,7 +1,9 @@
 """lightning_fit.py's training in a loop of one's own under ``Fabric(strategy=STRATEGY)``: the
-same data, model, clipping and schedule; rank 0 saves the parameters to OUT.
+same data, model, clipping and schedule; rank 0 saves the parameters to OUT. ``ACCUMULATE``
+(default 1): micro-batches a step, all but the last under ``fabric.no_backward_sync``, each
+loss divided by their number.
 
-    python fabric_fit.py STRATEGY DEVICES BATCH_PER_RANK OUT
+    python fabric_fit.py STRATEGY DEVICES BATCH_PER_RANK OUT [ACCUMULATE]
 """
 
 import sys
@@ -19,6 +21,7 @@ from lightning_fit import CLIP, EPOCHS, dataset, make_net, optimizer_and_schedul
 
 if __name__ == "__main__":
     strategy, devices, batch, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    accumulate = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=devices)
     fabric.launch()
     net = make_net()
@@ -27,8 +30,12 @@ if __name__ == "__main__":
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=batch, shuffle=True))
     for epoch in range(EPOCHS):
         loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            fabric.backward(nn.functional.mse_loss(model(x), y))
+        for k, (x, y) in enumerate(loader):
+            last = (k + 1) % accumulate == 0 or k + 1 == len(loader)
+            with fabric.no_backward_sync(model, enabled=not last):
+                fabric.backward(nn.functional.mse_loss(model(x), y) / accumulate)
+            if not last:
+                continue
             fabric.clip_gradients(model, optimizer, max_norm=CLIP)
             optimizer.step()
             optimizer.zero_grad()
