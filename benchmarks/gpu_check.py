@@ -10,7 +10,11 @@ workers=1, device="cuda")``) and ``loop`` (``towers.init(device="cuda")``, ``ctx
 read (``loss.item()``, ``r.loss``, ``TrainResult.times``), which waits for the GPU; ms/step is
 the median time between consecutive steps' ends after a warm-up. The target: at most 3% over
 ``plain``. An arm that misses it (or ``--profile``) adds torch.profiler tables of 10 of its
-steps and of ``plain``'s to the report.
+steps and of ``plain``'s to the report. After the rounds, one run each of ``train`` with
+``compress="int8"`` and with ``mode="diloco:16"`` (their cost against ``plain``; their losses
+shown, not checked: both change the arithmetic), and of a float16 ``GradScaler`` loop, plain
+and the own loop (``ctx.backward(loss, scaler=...)``), the latter held to the same target and
+loss agreement against the former.
 
 Run it from the repository root (the checkout's ``src`` is used, installed or not)::
 
@@ -163,7 +167,7 @@ def run_plain(plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
     return run
 
 
-def run_train(plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
+def run_train(plan: Plan, model0: nn.Module, tokens: torch.Tensor, **options: Any) -> Run:
     result = towers.train(
         copy.deepcopy(model0),
         loss_fn,
@@ -175,6 +179,7 @@ def run_train(plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
         optimizer=optimizer(plan.device),
         shuffle=False,
         progress=False,
+        **options,
     )
     return Run(list(result.losses), [0.0, *result.times])  # times: from the loop's start
 
@@ -198,6 +203,63 @@ def run_loop(plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
 ARMS = {"plain": run_plain, "train": run_train, "loop": run_loop}
 
 
+def fp16_loss(model: nn.Module, shard: tuple[torch.Tensor]) -> torch.Tensor:
+    """:func:`loss_fn` under float16 autocast on CUDA (float32 on the CPU)."""
+    (t,) = shard
+    with torch.autocast(t.device.type, dtype=torch.float16, enabled=t.is_cuda):
+        logits = model(t[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), t[:, 1:].reshape(-1))
+
+
+def grad_scaler(device: torch.device) -> torch.amp.GradScaler:
+    # a start low enough that neither loop skips its first steps for an overflow (towers'
+    # scaled gradients are the shard's samples times one process's)
+    return torch.amp.GradScaler(device.type, init_scale=2.0**8)
+
+
+def run_plain_fp16(plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
+    model = copy.deepcopy(model0).to(plan.device)
+    opt, scaler = optimizer(plan.device)(model.parameters()), grad_scaler(plan.device)
+    run = Run([], [time.perf_counter()])
+    for k in range(plan.steps):
+        loss = fp16_loss(model, (batch(tokens, k, plan.size.batch).to(plan.device),))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        run.losses.append(loss.item())
+        run.ends.append(time.perf_counter())
+    return run
+
+
+def run_loop_fp16(plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
+    ctx = towers.init(device=plan.device.type)
+    model = ctx.replicate(copy.deepcopy(model0))
+    opt, scaler = optimizer(plan.device)(model.parameters()), grad_scaler(plan.device)
+    batches = ((batch(tokens, k, plan.size.batch),) for k in range(plan.steps))
+    run = Run([], [time.perf_counter()])
+    for shard in ctx.shards(batches):
+        r = ctx.backward(fp16_loss(model, shard), scaler=scaler)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        run.losses.append(r.loss)
+        run.ends.append(time.perf_counter())
+    ctx.close()
+    return run
+
+
+# Options, one run each after the rounds: (arm, its reference, whether it must agree with it).
+# int8 compression and DiLoCo change the arithmetic, so their losses are shown, not checked.
+OPTIONS: dict[str, tuple[Callable[..., Run], str, bool]] = {
+    "train int8": (functools.partial(run_train, compress="int8"), "plain", False),
+    "train diloco:16": (functools.partial(run_train, mode="diloco:16"), "plain", False),
+    "plain fp16": (run_plain_fp16, "plain", False),
+    "loop fp16": (run_loop_fp16, "plain fp16", True),
+}
+ARMS.update({name: arm for name, (arm, _, _) in OPTIONS.items()})
+
+
 def measured(arm: str, plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
     """One run of ``arm``, with the peak GPU memory it allocated."""
     cuda = plan.device.type == "cuda"
@@ -216,23 +278,25 @@ def measured(arm: str, plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> R
 def run_rounds(
     plan: Plan, model0: nn.Module, tokens: torch.Tensor
 ) -> tuple[dict[str, list[Run]], dict[str, str]]:
-    """Every arm once a round, the order rotated each round; an arm that fails is dropped."""
-    names = list(ARMS)
-    runs: dict[str, list[Run]] = {a: [] for a in names}
+    """Every arm once a round, the order rotated each round; an arm that fails is dropped.
+    Then each of :data:`OPTIONS` once (its ratio is to the last round's plain)."""
+    names = [a for a in ARMS if a not in OPTIONS]
+    runs: dict[str, list[Run]] = {a: [] for a in ARMS}
     errors: dict[str, str] = {}
-    for r in range(plan.rounds):
-        for arm in names[r % len(names) :] + names[: r % len(names)]:
+    rounds = [names[r % len(names) :] + names[: r % len(names)] for r in range(plan.rounds)]
+    for r, order in enumerate([*rounds, list(OPTIONS)]):
+        for arm in order:
             if arm in errors:
                 continue
             try:
                 run = measured(arm, plan, model0, tokens)
             except Exception:
                 errors[arm] = traceback.format_exc()
-                print(f"round {r + 1}/{plan.rounds} {arm}: FAILED\n{errors[arm]}", flush=True)
+                print(f"round {r + 1} {arm}: FAILED\n{errors[arm]}", flush=True)
                 continue
             runs[arm].append(run)
             ms = statistics.median(run.step_ms(plan.warmup))
-            print(f"round {r + 1}/{plan.rounds} {arm:<5} {ms:9.2f} ms/step", flush=True)
+            print(f"round {r + 1} {arm:<15} {ms:9.2f} ms/step", flush=True)
     return runs, errors
 
 
@@ -243,7 +307,9 @@ def summarise(plan: Plan, runs: dict[str, list[Run]]) -> dict[str, dict[str, Any
     for arm, ms in medians.items():
         if not ms:
             continue
-        pairs = list(zip(ms, medians["plain"]))
+        reference, judged = OPTIONS[arm][1:] if arm in OPTIONS else ("plain", arm != "plain")
+        plain = medians[reference][-1:] if arm in OPTIONS else medians[reference]
+        pairs = list(zip(ms, plain))
         ratio = statistics.median(a / b for a, b in pairs) if pairs else None
         peaks = [r.peak_bytes for r in runs[arm] if r.peak_bytes is not None]
         out[arm] = {
@@ -253,7 +319,7 @@ def summarise(plan: Plan, runs: dict[str, list[Run]]) -> dict[str, dict[str, Any
             "rounds_ms": ms,
             "ratio_to_plain": ratio,  # the median of the per-round ratios
             "overhead_pct": None if ratio is None else (ratio - 1) * 100,
-            "meets_target": None if ratio is None else ratio <= 1 + TARGET,
+            "meets_target": None if ratio is None or not judged else ratio <= 1 + TARGET,
             "peak_mib": max(peaks) / 2**20 if peaks else None,
             "losses": runs[arm][0].losses,  # the first round's
             "queued_ms": statistics.median(q) if (q := queued(runs[arm], plan.warmup)) else None,
@@ -266,19 +332,23 @@ def queued(runs: list[Run], warmup: int) -> list[float]:
 
 
 def agreement(runs: dict[str, list[Run]]) -> dict[str, Any]:
-    """Whether train's and loop's losses match plain's (first round): first, last, and the max."""
+    """Whether train's and loop's losses match plain's (first round), and each option's its
+    reference's where it must: first, last, and the max. The other options' are shown."""
     out: dict[str, Any] = {"tolerance": TOLERANCE, "max_rel_diff": {}, "ok": True}
-    ref = runs["plain"][0].losses if runs["plain"] else []
-    for arm in ("train", "loop"):
+    checked = {"train": ("plain", True), "loop": ("plain", True)}
+    checked |= {arm: (ref, must) for arm, (_, ref, must) in OPTIONS.items()}
+    for arm, (reference, must) in checked.items():
+        ref = runs[reference][0].losses if runs[reference] else []
         losses = runs[arm][0].losses if runs[arm] else []
         if not ref or len(losses) != len(ref):
-            out["ok"] = False
+            out["ok"] &= not must
             out["max_rel_diff"][arm] = None
             continue
         rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref)]
         finite = all(x == x and abs(x) != float("inf") for x in rel)
         out["max_rel_diff"][arm] = max(rel) if finite else None
-        out["ok"] &= finite and rel[0] <= TOLERANCE and rel[-1] <= TOLERANCE
+        if must:
+            out["ok"] &= finite and rel[0] <= TOLERANCE and rel[-1] <= TOLERANCE
     return out
 
 
@@ -407,7 +477,11 @@ def markdown(report: dict[str, Any]) -> str:
     a = report["agreement"]
     diffs = ", ".join(f"{k} {_fmt(v, '.2e')}" for k, v in a["max_rel_diff"].items())
     word = "agree" if a["ok"] else "DISAGREE"
-    lines.append(f"- losses {word} (first and last within relative {a['tolerance']:g} of plain's;")
+    lines.append(
+        f"- losses {word} (train's and loop's first and last within relative "
+        f"{a['tolerance']:g} of plain's, loop fp16's of plain fp16's; int8 and diloco:16 change "
+        "the arithmetic and are shown only;"
+    )
     lines.append(f"  max relative difference over all steps: {diffs})")
     for arm, tables in report["profiles"].items():
         for title, text in tables.items():
@@ -467,6 +541,7 @@ def measure(plan: Plan, force_profile: bool) -> dict[str, Any]:
     runs, errors = run_rounds(plan, model0, tokens)
     arms = summarise(plan, runs)
     missed = [a for a, v in arms.items() if v["meets_target"] is False]
+    missed = [a for a in missed if a not in OPTIONS]  # profiled with --profile only
     profiled = list(ARMS) if force_profile else (["plain", *missed] if missed else [])
     plain_ms = arms["plain"]["ms_per_step"] if "plain" in arms else None
     return {

@@ -24,11 +24,17 @@ def test_gpu_check_cpu_smoke_run_writes_its_report(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert {"environment", "plan", "arms", "agreement", "tokens_per_s", "loadavg"} <= set(report)
     assert report["tests"] is None and report["errors"] == {} and report["exit_code"] == 0
-    assert list(report["arms"]) == ["plain", "train", "loop"]
+    options = ["train int8", "train diloco:16", "plain fp16", "loop fp16"]
+    assert list(report["arms"]) == ["plain", "train", "loop", *options]
     for arm in report["arms"].values():
         assert arm["ms_per_step"] > 0 and len(arm["losses"]) == report["plan"]["steps"]
     assert report["agreement"]["ok"]
+    assert set(report["agreement"]["max_rel_diff"]) == {"train", "loop", *options}
+    # judged: the exact arms only (int8 and DiLoCo change the arithmetic)
+    judged = {a for a, v in report["arms"].items() if v["meets_target"] is not None}
+    assert judged == {"train", "loop", "loop fp16"}
     text = (tmp_path / "gpu_check.md").read_text()
-    for row in ("| plain |", "| train |", "| loop |", "losses agree", "target <= 3% overhead"):
+    rows = ("| plain |", "| train |", "| loop |", "| train int8 |", "| loop fp16 |")
+    for row in (*rows, "losses agree", "target <= 3% overhead"):
         assert row in text
     assert text in out.stdout  # the report is printed too
