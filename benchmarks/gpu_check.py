@@ -135,10 +135,12 @@ class GPT(nn.Module):
         return self.head(self.ln_f(self.blocks(x)))
 
 
-def loss_fn(model: nn.Module, shard: tuple[torch.Tensor]) -> torch.Tensor:
-    """Next-token cross-entropy over a shard of token rows, under bf16 autocast on CUDA."""
+def loss_fn(
+    model: nn.Module, shard: tuple[torch.Tensor], dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Next-token cross-entropy over a shard of token rows, under ``dtype`` autocast on CUDA."""
     (t,) = shard
-    with torch.autocast(t.device.type, dtype=torch.bfloat16, enabled=t.is_cuda):
+    with torch.autocast(t.device.type, dtype=dtype, enabled=t.is_cuda):
         logits = model(t[:, :-1])
         return F.cross_entropy(logits.flatten(0, 1), t[:, 1:].reshape(-1))
 
@@ -151,15 +153,29 @@ def batch(tokens: torch.Tensor, k: int, b: int) -> torch.Tensor:
     return tokens[k * b : (k + 1) * b]
 
 
-def run_plain(plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
+def grad_scaler(device: torch.device, fp16: bool) -> torch.amp.GradScaler | None:
+    """float16's scaler (``None`` for bf16), from a scale low enough that neither loop skips its
+    first steps for an overflow (towers' scaled gradients are the shard's samples times one
+    process's)."""
+    return torch.amp.GradScaler(device.type, init_scale=2.0**8) if fp16 else None
+
+
+def run_plain(plan: Plan, model0: nn.Module, tokens: torch.Tensor, fp16: bool = False) -> Run:
+    """The plain loop; ``fp16``: under float16 autocast with a ``GradScaler``."""
     model = copy.deepcopy(model0).to(plan.device)
-    opt = optimizer(plan.device)(model.parameters())
+    opt, scaler = optimizer(plan.device)(model.parameters()), grad_scaler(plan.device, fp16)
+    dtype = torch.float16 if fp16 else torch.bfloat16
     run = Run([], [time.perf_counter()])
     for k in range(plan.steps):
         start = time.perf_counter()
-        loss = loss_fn(model, (batch(tokens, k, plan.size.batch).to(plan.device),))
-        loss.backward()
-        opt.step()
+        loss = loss_fn(model, (batch(tokens, k, plan.size.batch).to(plan.device),), dtype)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
         run.queued_ms.append((time.perf_counter() - start) * 1e3)  # the step's kernels queued
         run.losses.append(loss.item())
@@ -184,15 +200,21 @@ def run_train(plan: Plan, model0: nn.Module, tokens: torch.Tensor, **options: An
     return Run(list(result.losses), [0.0, *result.times])  # times: from the loop's start
 
 
-def run_loop(plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
+def run_loop(plan: Plan, model0: nn.Module, tokens: torch.Tensor, fp16: bool = False) -> Run:
+    """The own loop; ``fp16``: under float16 autocast, the scaler passed to ``ctx.backward``."""
     ctx = towers.init(device=plan.device.type)
     model = ctx.replicate(copy.deepcopy(model0))
-    opt = optimizer(plan.device)(model.parameters())
+    opt, scaler = optimizer(plan.device)(model.parameters()), grad_scaler(plan.device, fp16)
+    dtype = torch.float16 if fp16 else torch.bfloat16
     batches = ((batch(tokens, k, plan.size.batch),) for k in range(plan.steps))
     run = Run([], [time.perf_counter()])
     for shard in ctx.shards(batches):
-        r = ctx.backward(loss_fn(model, shard))
-        opt.step()
+        r = ctx.backward(loss_fn(model, shard, dtype), scaler=scaler)
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
         run.losses.append(r.loss)
         run.ends.append(time.perf_counter())
@@ -203,59 +225,13 @@ def run_loop(plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
 ARMS = {"plain": run_plain, "train": run_train, "loop": run_loop}
 
 
-def fp16_loss(model: nn.Module, shard: tuple[torch.Tensor]) -> torch.Tensor:
-    """:func:`loss_fn` under float16 autocast on CUDA (float32 on the CPU)."""
-    (t,) = shard
-    with torch.autocast(t.device.type, dtype=torch.float16, enabled=t.is_cuda):
-        logits = model(t[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1), t[:, 1:].reshape(-1))
-
-
-def grad_scaler(device: torch.device) -> torch.amp.GradScaler:
-    # a start low enough that neither loop skips its first steps for an overflow (towers'
-    # scaled gradients are the shard's samples times one process's)
-    return torch.amp.GradScaler(device.type, init_scale=2.0**8)
-
-
-def run_plain_fp16(plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
-    model = copy.deepcopy(model0).to(plan.device)
-    opt, scaler = optimizer(plan.device)(model.parameters()), grad_scaler(plan.device)
-    run = Run([], [time.perf_counter()])
-    for k in range(plan.steps):
-        loss = fp16_loss(model, (batch(tokens, k, plan.size.batch).to(plan.device),))
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        run.losses.append(loss.item())
-        run.ends.append(time.perf_counter())
-    return run
-
-
-def run_loop_fp16(plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
-    ctx = towers.init(device=plan.device.type)
-    model = ctx.replicate(copy.deepcopy(model0))
-    opt, scaler = optimizer(plan.device)(model.parameters()), grad_scaler(plan.device)
-    batches = ((batch(tokens, k, plan.size.batch),) for k in range(plan.steps))
-    run = Run([], [time.perf_counter()])
-    for shard in ctx.shards(batches):
-        r = ctx.backward(fp16_loss(model, shard), scaler=scaler)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        run.losses.append(r.loss)
-        run.ends.append(time.perf_counter())
-    ctx.close()
-    return run
-
-
 # Options, one run each after the rounds: (arm, its reference, whether it must agree with it).
 # int8 compression and DiLoCo change the arithmetic, so their losses are shown, not checked.
 OPTIONS: dict[str, tuple[Callable[..., Run], str, bool]] = {
     "train int8": (functools.partial(run_train, compress="int8"), "plain", False),
     "train diloco:16": (functools.partial(run_train, mode="diloco:16"), "plain", False),
-    "plain fp16": (run_plain_fp16, "plain", False),
-    "loop fp16": (run_loop_fp16, "plain fp16", True),
+    "plain fp16": (functools.partial(run_plain, fp16=True), "plain", False),
+    "loop fp16": (functools.partial(run_loop, fp16=True), "plain fp16", True),
 }
 ARMS.update({name: arm for name, (arm, _, _) in OPTIONS.items()})
 
@@ -540,8 +516,8 @@ def measure(plan: Plan, force_profile: bool) -> dict[str, Any]:
     print(setup, flush=True)
     runs, errors = run_rounds(plan, model0, tokens)
     arms = summarise(plan, runs)
-    missed = [a for a, v in arms.items() if v["meets_target"] is False]
-    missed = [a for a in missed if a not in OPTIONS]  # profiled with --profile only
+    # the options are profiled with --profile only
+    missed = [a for a, v in arms.items() if v["meets_target"] is False and a not in OPTIONS]
     profiled = list(ARMS) if force_profile else (["plain", *missed] if missed else [])
     plain_ms = arms["plain"]["ms_per_step"] if "plain" in arms else None
     return {
