@@ -98,12 +98,13 @@ class Stepper:
         micro = self.micro
         if micro is None or self.alone or not self.state.plan.reduces or self.group.elastic:
             return
-        if (
-            micro.active
-            or self.local
-            or not getattr(self.model, "require_backward_grad_sync", True)
-        ):
+        if micro.active or self.kept_local():
             micro.forward(samples)
+
+    def kept_local(self) -> bool:
+        """A backward now stays on this tower: inside ``no_sync()``, or with nanoGPT's
+        ``require_backward_grad_sync = False`` on the model."""
+        return self.local or not getattr(self.model, "require_backward_grad_sync", True)
 
     def weight(self, samples: int | None) -> int:
         if samples is None:
@@ -225,9 +226,7 @@ class Stepper:
 
     def on_unarmed(self) -> bool:
         """A gradient arrived in a backward nobody armed: a script's ``loss.backward()``."""
-        if self._own or self.local or self.alone:
-            return False
-        if not getattr(self.model, "require_backward_grad_sync", True):  # nanoGPT's switch
+        if self._own or self.alone or self.kept_local():
             return False
         if self.group.elastic or not self.state.plan.reduces:
             raise RuntimeError(PLAIN_BACKWARD_ELASTIC)
@@ -236,8 +235,8 @@ class Stepper:
             raise RuntimeError(PLAIN_BACKWARD_EMPTY_SHARD.format(batch=batch, world=world))
         if self.since_step == 0:
             raise RuntimeError(PLAIN_BACKWARD_NO_SHARDS)
-        micro = self.micro if self.micro is not None and self.micro.active else None
-        scale = None if micro is None else micro.scale()
+        micro = self.micro
+        scale = micro.scale() if micro is not None and micro.active else None
         self.runner.arm_plain(self.since_step, self._finish_plain, scale=scale)
         return True
 
