@@ -60,6 +60,12 @@ def leftover_processes(grace: float = 5.0) -> set[int]:
         time.sleep(0.05)
 
 
+# Every process a test starts (workers, torchrun's ranks, a host's launcher) prints the Python
+# stack of each of its threads if it dies of a signal it raised itself (a C++ abort, a segfault),
+# so that the test's captured output says where a rare crash happened.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: three test processes where there are two cores or more (one on one core).
 
