@@ -43,7 +43,7 @@ from ..engines.transforms import GradientTransform
 from .amp import check_scaler, poison_grads
 from .loop_files import load_loop, save_loop
 from .mistakes import BACKWARD_IN_DILOCO, refuse_distributed_sampler
-from .replicate import prepare
+from .replicate import prepare, sharding_for
 from .stepper import Stepper
 
 __all__ = ["Context"]
@@ -105,6 +105,7 @@ class Context:
         mode: str = "sync",
         outer_optimizer: OptimizerFactory | None = None,
         balance: bool | None = None,
+        shard_optimizer: bool = False,
     ) -> nn.Module:
         """Give every rank rank 0's parameters and buffers, and attach the averaging hooks.
 
@@ -160,6 +161,7 @@ class Context:
         )
         self._steps.attach(driver, model)
         breaks = self._state.plan.attach(model.to(self.device))
+        self._state.sharding = sharding_for(model, self._group, shard_optimizer, ready.mode)
         return driver.replicate(model, bucket_bytes, breaks)
 
     def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -408,6 +410,8 @@ class Context:
         let go, as Lightning does for every ``fit``): its steps count from 0 again, as the
         mode's periods do."""
         self._steps.driver.remove()
+        if self._state.sharding is not None:
+            self._state.sharding.remove()
         self._begin()
 
     def barrier(self) -> None:
@@ -426,6 +430,8 @@ class Context:
         driver = self._steps.driver
         self._group.finish(driver if driver.model is not None else None)
         driver.remove()
+        if self._state.sharding is not None:
+            self._state.sharding.remove()
         self._group.close()
 
     def __enter__(self) -> Context:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..engines import checkpoint
 from ..engines.replica import Replica
+from ..engines.shard_files import restore_parts, save_parts
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.state import RunState
 
@@ -32,7 +33,10 @@ def save_loop(
 ) -> None:
     """Write the loop's state of ``step`` (a collective: every rank calls it; rank 0 writes)."""
     shared = state.checkpoint(driver, replica)
-    if driver.group.comm.rank != 0:
+    comm = driver.group.comm
+    if not save_parts(state.sharding, replica.optimizer, os.fspath(directory), step, comm):
+        return
+    if comm.rank != 0:
         return
     checkpoint.save_or_warn(directory, step, "loop", {**shared, "extra": extra or {}})
 
@@ -46,4 +50,5 @@ def load_loop(
     if saved is None:
         return None
     state.restore(saved, driver, replica)
+    restore_parts(state.sharding, replica.optimizer, saved, os.fspath(directory))
     return saved["step"], saved["extra"]

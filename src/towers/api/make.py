@@ -21,6 +21,7 @@ from ..core.transport import Transport
 from ..engines import checkpoint as checkpoint_files
 from ..engines.checkpoint import estimate_bytes
 from ..engines.job import Job, default_optimizer
+from ..engines.shard import refuse_sharding
 from ..engines.sync.mode import SyncMode
 from ..engines.transforms import check_transform, compression
 from ..processes.guard import check_main_guard
@@ -109,6 +110,10 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     if not launched and (workers > 1 or mode.servers or args["max_restarts"]):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
     check_elastic(args["elastic"], mode, transport, launch)
+    if not isinstance(args["shard_optimizer"], bool):
+        raise TypeError(f"shard_optimizer must be True or False, got {args['shard_optimizer']!r}")
+    if args["shard_optimizer"]:
+        refuse_sharding(str(mode), args["elastic"])
     least = check_min_workers(args["min_workers"], workers, args["elastic"])
     placement = train_placement(args["device"], mode, workers, launch, transport, args["elastic"])
     transform = reduction(args["transform"], args["compress"], model, mode)
@@ -137,6 +142,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
         device=placement.kind,
         transport=transport,
         balance=balance,
+        shard_optimizer=args["shard_optimizer"],
         **{k: args[k] for k in _AS_GIVEN},
     )
     here = launched or (workers + mode.servers == 1 and not args["max_restarts"])

@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from ..engines.job import OptimizerFactory
+from ..engines.shard import ShardedState, refuse_sharding
 from ..engines.sync.group import Group
 from ..engines.sync.mode import plan_for
 from ..engines.sync.plan import StepPlan
@@ -23,7 +24,7 @@ from .mistakes import refuse_wrapped_model, warn_unsynced_buffers
 from .outer import announce_outer
 from .validate import averages_buffers, check_mode_options, loop_mode
 
-__all__ = ["Prepared", "prepare"]
+__all__ = ["Prepared", "prepare", "sharding_for"]
 
 
 class Prepared:
@@ -68,3 +69,16 @@ def prepare(
     elif world > 1 and not averages_buffers(parsed):
         warn_unsynced_buffers(model, "ctx.replicate(model, sync_batchnorm=True)")
     return Prepared(plan_for(parsed, outer_optimizer), reduced, balanced, str(parsed))
+
+
+def sharding_for(
+    model: nn.Module, group: Group, shard_optimizer: Any, mode: str
+) -> ShardedState | None:
+    """``shard_optimizer=True``: the sharding of the optimizer's state over the ranks, checked
+    (the same on every rank, before any collective)."""
+    if not isinstance(shard_optimizer, bool):
+        raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
+    if not shard_optimizer:
+        return None
+    refuse_sharding(mode, group.elastic)
+    return ShardedState(model, lambda: group.comm)

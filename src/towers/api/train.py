@@ -81,6 +81,7 @@ def train(
     outer_optimizer: OptimizerFactory | None = None,
     device: str = "auto",
     balance: bool | None = None,
+    shard_optimizer: bool = False,
 ) -> TrainResult:
     """Train ``model`` data-parallel over ``workers`` towers and return the result.
 
@@ -219,6 +220,12 @@ def train(
             one line at the start says why); ``False``: the even split of
             :func:`towers.split`, reproducible bit for bit from run to run.
             ``TrainResult.shards`` holds every step's split (docs/training.md).
+        shard_optimizer: each tower keeps the optimizer's state of its part of the
+            parameters only (parts balanced by elements, cut inside parameters), steps that
+            part and gathers the others' (sync mode; optimizers that update element by
+            element: SGD, Adam, AdamW, ...). The result is the same; the state per tower is
+            about ``1/workers`` of it; checkpoints hold every tower's part and resume on any
+            number of towers (docs/sharding.md).
 
     Returns:
         A :class:`TrainResult`.

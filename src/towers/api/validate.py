@@ -26,6 +26,7 @@ from ..core.split import leaves, split
 from ..core.transport import Transport
 from ..engines.job import Job
 from ..engines.replica import check_loss, to_device
+from ..engines.shard import refuse_unshardable
 from ..engines.sync.mode import SyncMode
 from ..processes.env import cpu_count
 from ..processes.pack import check_picklable as pickles
@@ -244,6 +245,8 @@ def preflight(job: Job, workers: int, device: torch.device | None) -> None:
             torch.optim.Optimizer,
             "functools.partial(torch.optim.Adam, lr=1e-3)",
         )
+        if job.shard_optimizer:
+            refuse_unshardable(opt)
         if job.lr_schedule is not None:
             _check_factory(
                 "lr_schedule",

@@ -158,8 +158,18 @@ def save(directory: str | os.PathLike[str], step: int, kind: str, payload: dict[
     buffer = io.BytesIO()
     torch.save(state, buffer)
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}.pt"
+    _write(root, final, buffer)
+    for old_step, old in checkpoint_files(root)[KEEP:]:
+        old.unlink(missing_ok=True)
+        for part in root.glob(f"step-{old_step:08d}.part-*.pt"):
+            part.unlink(missing_ok=True)
+    return final
+
+
+def _write(root: Path, final: Path, buffer: io.BytesIO) -> None:
+    """Write ``buffer`` to ``final`` atomically (a temporary file, then a rename), durably."""
+    root.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=_TMP, suffix=".pt")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -175,9 +185,23 @@ def save(directory: str | os.PathLike[str], step: int, kind: str, payload: dict[
         os.fsync(dir_fd)  # the rename itself survives a power loss
     finally:
         os.close(dir_fd)
-    for _, old in checkpoint_files(root)[KEEP:]:
-        old.unlink(missing_ok=True)
-    return final
+
+
+def part_path(directory: str | os.PathLike[str], step: int, rank: int) -> Path:
+    """Where rank ``rank`` writes its part of a sharded state for the checkpoint of ``step``
+    (written before the checkpoint itself, which says how many parts it has)."""
+    return Path(directory) / f"step-{step:08d}.part-{rank:05d}.pt"
+
+
+def save_part(directory: str | os.PathLike[str], step: int, rank: int, part: Any) -> None:
+    """Write one rank's part of the checkpoint of ``step`` atomically."""
+    buffer = io.BytesIO()
+    torch.save(part, buffer)
+    _write(Path(directory), part_path(directory, step, rank), buffer)
+
+
+def read_part(directory: str | os.PathLike[str], step: int, rank: int) -> Any:
+    return torch.load(part_path(directory, step, rank), map_location="cpu", weights_only=True)
 
 
 def save_or_warn(
@@ -191,16 +215,21 @@ def save_or_warn(
     try:
         return save(directory, step, kind, payload)
     except OSError as exc:
-        files = checkpoint_files(directory)
-        previous = f"the newest saved one is {files[0][1]}" if files else "none was saved"
-        warnings.warn(
-            f"checkpoint of step {step} could not be written to {directory} ({first_line(exc)}); "
-            f"training goes on and its result is kept in memory, but a resume would start from "
-            f"an older checkpoint ({previous})",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        warn_unwritten(directory, step, first_line(exc))
         return None
+
+
+def warn_unwritten(directory: str | os.PathLike[str], step: int, why: str) -> None:
+    """Warn that the checkpoint of ``step`` was not written, and which one a resume would use."""
+    files = checkpoint_files(directory)
+    previous = f"the newest saved one is {files[0][1]}" if files else "none was saved"
+    warnings.warn(
+        f"checkpoint of step {step} could not be written to {directory} ({why}); "
+        f"training goes on and its result is kept in memory, but a resume would start from "
+        f"an older checkpoint ({previous})",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _upgrade(state: dict[str, Any]) -> dict[str, Any]:

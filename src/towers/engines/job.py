@@ -88,6 +88,7 @@ class Job:
     outer_optimizer: OptimizerFactory | None = None  # diloco's outer steps; None: the default
     device: str = "cpu"  # "cuda": every worker on its own GPU (cuda:LOCAL_RANK), over NCCL
     balance: bool = False  # split each global batch in proportion to the towers' speeds
+    shard_optimizer: bool = False  # each tower keeps the optimizer state of its part only
 
     @property
     def asynchronous(self) -> bool:

@@ -185,11 +185,11 @@ class Replica:
             self.schedule.step()
             self.scheduled += 1
 
-    def state(self) -> dict[str, Any]:
-        """Model, optimizer and schedule state, for a checkpoint."""
+    def state(self, optimizer: bool = True) -> dict[str, Any]:
+        """Model, optimizer (unless not ``optimizer``) and schedule state, for a checkpoint."""
         return {
             "model": cpu_state(self.model),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "optimizer": self.optimizer.state_dict() if optimizer and self.optimizer else None,
             "schedule": self.schedule.state_dict() if self.schedule is not None else None,
             "scheduled": self.scheduled,
         }
@@ -198,7 +198,8 @@ class Replica:
         """Restore :meth:`state` (the optimizer's state is copied: an optimizer keeps the
         tensors it loads, and a checkpoint sent to local workers lies in memory they share)."""
         self.model.load_state_dict(state["model"])
-        if self.optimizer is not None and state.get("optimizer") is not None:
+        saved = state.get("optimizer")
+        if self.optimizer is not None and saved is not None and "sharded" not in saved:
             self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         if self.schedule is not None and state.get("schedule") is not None:
             self.schedule.load_state_dict(copy.deepcopy(state["schedule"]))

@@ -29,6 +29,8 @@ from ..fetch import Fetcher, Planned
 from ..job import EngineResult, Job
 from ..replica import Replica, backward_shard, cpu_state
 from ..report import Reporter
+from ..shard import ShardedState
+from ..shard_files import restore_parts, save_parts
 from ..syncbn import convert_batchnorm
 from .driver import SyncDriver
 from .group import ElasticGroup, Group, PlainGroup
@@ -108,6 +110,8 @@ class _Run:
             balance=job.balance,
         )
         self.state.replica = self.replica
+        if job.shard_optimizer:
+            self.state.sharding = ShardedState(self.replica.model, lambda: group.comm)
         self.driver = SyncDriver(group, job.transform, owner=self.state, mode=str(job.mode))
         self.runner = StepRunner(group, self.state, self.driver)
         self.breaks = self.plan.attach(self.replica.model)
@@ -168,6 +172,9 @@ class _Run:
             # resumed with another number of workers: fresh, but reproducible, streams
             reseed = self.job.seed + self.group.comm.rank + 1000 * self.resume["step"]
             self.state.restore(self.resume, self.driver, reseed=reseed)
+            restore_parts(
+                self.state.sharding, self.replica.optimizer, self.resume, str(self.job.checkpoint)
+            )
 
     # -- one step --------------------------------------------------------------------------
 
@@ -250,7 +257,10 @@ class _Run:
 
     def _save(self, done: int) -> None:
         shared = self.state.checkpoint(self.driver)
-        if self.group.comm.rank != 0:
+        comm, where = self.group.comm, str(self.job.checkpoint)
+        if not save_parts(self.state.sharding, self.replica.optimizer, where, done, comm):
+            return
+        if comm.rank != 0:
             return
         payload = {
             "mode": str(self.job.mode),
@@ -275,6 +285,8 @@ class _Run:
             group.finish(self.driver)
         finally:
             self.driver.remove()
+            if self.state.sharding is not None:
+                self.state.sharding.remove()
             self.reporter.close()
             if self.fetch is not None:
                 self.fetch.close()

@@ -25,6 +25,8 @@ from ...core.balance import Balancer
 from ...core.split import shard_sizes
 from ...core.step import StepResult
 from ..replica import Replica
+from ..shard import ShardedState
+from ..shard_files import describe
 from .driver import SyncDriver
 from .plan import EveryStep, StepPlan
 
@@ -86,6 +88,7 @@ class RunState:
         self.newcomer = joining
         self.catch_up = 0  # batches a replacement of an own loop skips to reach its peers
         self._pending: dict[str, Any] | None = None  # a peer's optimizer state, not loaded yet
+        self.sharding: ShardedState | None = None  # the optimizer's state, sharded over ranks
 
     def _replica(self) -> Replica:
         assert self.replica is not None, "the run has no model yet"
@@ -150,7 +153,10 @@ class RunState:
         replica = replica or self._replica()
         streams = driver.gather_streams()
         planned = self.plan.checkpoint(driver, replica)
-        return {**replica.state(), **streams, **planned, "balance": self._balance_state()}
+        own = replica.state(optimizer=self.sharding is None)
+        if self.sharding is not None and replica.optimizer is not None:
+            own["optimizer"] = describe(self.sharding, replica.optimizer)  # the parts: per rank
+        return {**own, **streams, **planned, "balance": self._balance_state()}
 
     def restore(
         self,

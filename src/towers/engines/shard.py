@@ -1,0 +1,336 @@
+"""Optimizer state sharded over the towers (``shard_optimizer=True``): one copy between them.
+
+The model's trainable parameters, in model order, are laid end to end, and rank ``r`` of ``N``
+owns elements ``[r * P, (r + 1) * P)`` of that line (``P = ceil(total / N)``): parts balanced
+by elements, cut inside parameters where a boundary falls. The optimizers allowed
+(:data:`ELEMENTWISE`) update every element from that element's gradient and state alone, so
+stepping a part's slices is exactly the step of the whole parameters, restricted to the part.
+
+The user's optimizer keeps the whole parameters in its groups between steps, so
+``zero_grad``, a ``GradScaler``'s ``unscale_``, ``clip_grad_norm_`` over
+``model.parameters()`` and learning-rate schedules see what they see in one process (every
+tower's gradients are the global batch's, summed before the step). Only inside ``step()`` are
+its groups' parameters this rank's slices (views of the parameters, with views of their
+gradients), so its state is created for the slices alone: about ``1/N`` of the unsharded
+state on each tower. After the step every tower gathers the parts into its parameters.
+
+Two hooks on every optimizer's step (torch's global step hooks) do the swapping and the
+gathering; an optimizer over none of the model's parameters is left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from ..comm.base import Comm
+
+__all__ = [
+    "ELEMENTWISE",
+    "Held",
+    "Part",
+    "ShardedState",
+    "layout",
+    "refuse_sharding",
+    "refuse_unshardable",
+]
+
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+)
+"""Optimizers whose step updates every element from its own gradient and state (and scalars
+shared by the whole parameter, such as the step count): exact when parameters are cut."""
+
+GATHER_ELEMENTS = 1 << 20  # elements a rank sends per gather call: bounds the gather's buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Elements ``[start, stop)`` of parameter ``index`` (flattened), owned by one rank."""
+
+    index: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def layout(sizes: list[int], world: int) -> list[list[Part]]:
+    """Each rank's parts of parameters of ``sizes`` elements: balanced by elements."""
+    per = max(1, -(-sum(sizes) // world))
+    owned: list[list[Part]] = [[] for _ in range(world)]
+    offset = 0
+    for index, size in enumerate(sizes):
+        at = offset
+        while at < offset + size:
+            rank = at // per
+            stop = min(offset + size, (rank + 1) * per)
+            owned[rank].append(Part(index, at - offset, stop - offset))
+            at = stop
+        offset += size
+    return owned
+
+
+def refuse_sharding(mode: str, elastic: bool) -> None:
+    """The combinations ``shard_optimizer=True`` does not take yet, each with the reason."""
+    if mode != "sync":
+        raise ValueError(
+            f"shard_optimizer=True needs mode='sync' (got {mode!r}): in DiLoCo each tower "
+            "steps its own optimizer on its own shard, so its state is not one state to share, "
+            "and in the parameter-server modes the server's optimizer is already the one copy"
+        )
+    if elastic:
+        raise ValueError(
+            "shard_optimizer=True is not available in an elastic job yet: a lost tower would "
+            "take its part of the optimizer's state with it. Save checkpoints "
+            "(ctx.save_checkpoint) and restart the job instead"
+        )
+
+
+def refuse_unshardable(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose step is not exact on parts of parameters, with the reason."""
+    kind = type(optimizer)
+    if kind not in ELEMENTWISE:
+        allowed = ", ".join(k.__name__ for k in ELEMENTWISE)
+        raise ValueError(
+            f"shard_optimizer cannot shard {kind.__name__}: towers cuts parameters into "
+            "parts, which is exact only for an optimizer that updates every element from "
+            f"its own gradient and state ({allowed}); an optimizer whose state needs "
+            "whole parameters (factored moments, a per-parameter trust ratio, "
+            "orthogonalised updates) would change the result. Train it without "
+            "shard_optimizer"
+        )
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+
+
+class Held:
+    """One optimizer's slices: the views its state is kept for, and its groups' parameters."""
+
+    def __init__(self, params: list[list[torch.Tensor]]):
+        self.groups = params  # the whole parameters of each group, as the user built them
+        self.slices: dict[tuple[int, int], torch.Tensor] = {}  # (param id, part start) -> view
+        self.swapped = False
+
+
+class ShardedState:
+    """The sharding of ``model``'s optimizer state over the ranks of ``comm()``."""
+
+    def __init__(self, model: nn.Module, comm: Callable[[], Comm]):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        for name, p in model.named_parameters():
+            if p.requires_grad and not p.is_contiguous():
+                raise ValueError(
+                    f"shard_optimizer needs contiguous parameters; {name} is not (a "
+                    "channels_last layout?): call .contiguous() on it before replicating"
+                )
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        # frozen parameters stay whole in the optimizer's groups: without a gradient it skips them
+        self._frozen = {id(p) for p in model.parameters() if not p.requires_grad}
+        self._comm = comm
+        current = comm()
+        self.rank, self.world = current.rank, current.world_size
+        self.parts = layout([p.numel() for p in self.params], self.world)
+        self._held: weakref.WeakKeyDictionary[torch.optim.Optimizer, Held] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._buffers: dict[torch.dtype, torch.Tensor | None] = {}  # see _lent
+        self._hooks = [
+            register_optimizer_step_pre_hook(self._before),
+            register_optimizer_step_post_hook(self._after),
+        ]
+
+    def remove(self) -> None:
+        """Stop sharding: remove the step hooks (an optimizer keeps the state it has)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def mine(self) -> list[Part]:
+        return self.parts[self.rank]
+
+    def index(self, p: torch.Tensor) -> int | None:
+        """``p``'s place among the model's trainable parameters (``None``: not one of them)."""
+        return self._index.get(id(p))
+
+    def held(self, optimizer: torch.optim.Optimizer) -> Held | None:
+        """What ``optimizer`` holds sharded, once it has stepped or loaded its part."""
+        return self._held.get(optimizer)
+
+    def hold(self, optimizer: torch.optim.Optimizer) -> Held:
+        """Shard ``optimizer`` from now on (before its first step: to load its part)."""
+        held = self._held.get(optimizer)
+        if held is None:
+            groups = [list(g["params"]) for g in optimizer.param_groups]
+            held = self._adopt(optimizer, groups, self._ours(groups))
+        return held
+
+    def _ours(self, groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The model's parameters among ``groups``' (frozen ones too)."""
+        return [p for g in groups for p in g if id(p) in self._index or id(p) in self._frozen]
+
+    def view(self, held: Held, part: Part) -> torch.Tensor:
+        """The slice of ``part`` that ``held``'s optimizer keeps state for (made once)."""
+        p = self.params[part.index]
+        key = (id(p), part.start)
+        view = held.slices.get(key)
+        if view is None:
+            view = held.slices[key] = p.detach().view(-1)[part.start : part.stop]
+        return view
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        groups = [list(g["params"]) for g in optimizer.param_groups]
+        ours = self._ours(groups)
+        if not ours or all(id(p) in self._frozen for p in ours):
+            return  # another model's optimizer
+        held = self._held.get(optimizer)
+        if held is not None and held.swapped:  # the last step raised before its end
+            groups = held.groups
+        if held is None:
+            held = self._adopt(optimizer, groups, ours)
+        elif [[id(p) for p in g] for g in groups] != [[id(p) for p in g] for g in held.groups]:
+            raise ValueError(
+                "shard_optimizer: the optimizer's parameters changed after its first step (a "
+                "parameter group added?); every tower keeps the state of its part of the "
+                "parameters the first step saw: add every group before the first step"
+            )
+        for group, params in zip(optimizer.param_groups, held.groups, strict=True):
+            group["params"] = self._slices(held, params)
+        held.swapped = True
+
+    def _adopt(
+        self, optimizer: torch.optim.Optimizer, groups: list[list[torch.Tensor]], ours: list[Any]
+    ) -> Held:
+        refuse_unshardable(optimizer)
+        if sum(len(g) for g in groups) != len(ours):
+            raise ValueError(
+                "shard_optimizer: the optimizer holds tensors that are not the replicated "
+                "model's trainable parameters; build it on model.parameters() (or groups of "
+                "them) of the model ctx.replicate returned"
+            )
+        if optimizer.state:
+            raise ValueError(
+                "shard_optimizer: the optimizer already has state for whole parameters (it "
+                "stepped before the model was replicated, or loaded a state dict): build it "
+                "after replicating, and resume through ctx.load_checkpoint"
+            )
+        held = Held(groups)
+        self._held[optimizer] = held
+        optimizer.register_state_dict_pre_hook(_refuse_state_dict)
+        optimizer.register_load_state_dict_pre_hook(_refuse_state_dict)
+        return held
+
+    def _slices(self, held: Held, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's slices of ``params``, each with the matching view of the gradient."""
+        owned: dict[int, list[Part]] = {}
+        for part in self.mine():
+            owned.setdefault(part.index, []).append(part)
+        out = []
+        for p in params:
+            if id(p) in self._frozen:
+                out.append(p)
+                continue
+            for part in owned.get(self._index[id(p)], []):
+                view = self.view(held, part)
+                grad = p.grad
+                view.grad = None if grad is None else _flat(grad)[part.start : part.stop]
+                out.append(view)
+        return out
+
+    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        held = self._held.get(optimizer)
+        if held is None or not held.swapped:
+            return
+        for group, params in zip(optimizer.param_groups, held.groups, strict=True):
+            group["params"] = params
+        for view in held.slices.values():
+            view.grad = None  # a view of the gradient keeps the whole gradient alive
+        held.swapped = False
+        self.gather({self._index[id(p)] for g in held.groups for p in g if id(p) in self._index})
+
+    def gather(self, indices: set[int]) -> None:
+        """Every rank's updated parts of the parameters ``indices`` into every rank's copy."""
+        comm = self._comm()
+        by_dtype: dict[torch.dtype, list[list[Part]]] = {}
+        for rank, parts in enumerate(self.parts):
+            for part in parts:
+                if part.index in indices:
+                    dtype = self.params[part.index].dtype
+                    by_dtype.setdefault(dtype, [[] for _ in range(self.world)])[rank].append(part)
+        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+            self._gather(comm, by_dtype[dtype], dtype)
+
+    def _gather(self, comm: Comm, parts: list[list[Part]], dtype: torch.dtype) -> None:
+        width = max(sum(part.size for part in ps) for ps in parts)
+        device = self.params[0].device
+        lent = self._lent(comm, dtype)
+        for begin in range(0, width, GATHER_ELEMENTS):
+            n = min(GATHER_ELEMENTS, width - begin)
+            if lent is not None:  # shared memory: a sum where only the owner is not zero
+                out = lent[: n * self.world]
+                out.zero_()
+                self._copy(
+                    parts[self.rank], out[self.rank * n : (self.rank + 1) * n], begin, out=True
+                )
+                comm.all_reduce_sum(out).wait()
+            else:
+                chunk = torch.zeros(n, dtype=dtype, device=device)
+                self._copy(parts[self.rank], chunk, begin, out=True)
+                out = torch.empty(n * self.world, dtype=dtype, device=device)
+                comm.all_gather(out, chunk).wait()
+            for rank, ps in enumerate(parts):
+                if rank != self.rank:
+                    self._copy(ps, out[rank * n : (rank + 1) * n], begin, out=False)
+
+    def _lent(self, comm: Comm, dtype: torch.dtype) -> torch.Tensor | None:
+        """A buffer that ``comm`` sums in place (shared memory), for gathers of ``dtype``: a
+        collective, asked once per dtype (``None`` where the transport lends none)."""
+        if dtype not in self._buffers:
+            widest = max(sum(part.size for part in ps) for ps in self.parts)
+            n = min(widest, GATHER_ELEMENTS) * self.world
+            self._buffers[dtype] = comm.buffer(n, dtype) if dtype.is_floating_point else None
+        return self._buffers[dtype]
+
+    def _copy(self, parts: list[Part], chunk: torch.Tensor, begin: int, *, out: bool) -> None:
+        """Elements ``[begin, begin + len(chunk))`` of a rank's parts, laid end to end: into
+        ``chunk`` (``out``: this rank's, to send) or from it into the parameters."""
+        at = 0  # where each part starts among the rank's elements
+        end = begin + chunk.numel()
+        for part in parts:
+            lo, hi = max(at, begin), min(at + part.size, end)
+            if lo < hi:
+                a = part.start + lo - at
+                flat = self.params[part.index].detach().view(-1)[a : a + hi - lo]
+                there = chunk[lo - begin : hi - begin]
+                (there if out else flat).copy_(flat if out else there)
+            at += part.size
+
+
+def _refuse_state_dict(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+    raise RuntimeError(
+        "this optimizer's state is sharded over the towers (shard_optimizer=True): each tower "
+        "holds only its part, so its state_dict is not the whole state. Save and resume with "
+        "ctx.save_checkpoint and ctx.load_checkpoint, which write every tower's part"
+    )

@@ -1,0 +1,175 @@
+"""Checkpoints of an optimizer state sharded over the towers (:mod:`towers.engines.shard`).
+
+Every rank writes its part (``step-NNNNNNNN.part-RRRRR.pt``: a record per slice, with its
+parameter's place in the model and its element range) before rank 0 writes the checkpoint,
+whose ``optimizer`` entry holds the groups' settings and the number of parts. Any number of
+ranks resumes it: each reads the parts one at a time and keeps what overlaps its own slices,
+so no rank holds the whole state at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..comm.base import Comm
+from . import checkpoint
+from .shard import Part, ShardedState
+
+__all__ = ["describe", "restore_parts", "save_parts"]
+
+
+def describe(sharding: ShardedState, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What the checkpoint's main file holds of a sharded optimizer: its groups' settings, each
+    with its parameters' places in the model (the state itself is in the ranks' part files)."""
+    held = sharding.held(optimizer)
+    groups = (
+        held.groups if held is not None else [list(g["params"]) for g in optimizer.param_groups]
+    )
+    settings = []
+    for group, params in zip(optimizer.param_groups, groups, strict=True):
+        kept = {k: v for k, v in group.items() if k != "params"}
+        settings.append({**kept, "params": [sharding.index(p) for p in params]})
+    return {
+        "sharded": {"groups": settings, "world": sharding.world, "type": type(optimizer).__name__}
+    }
+
+
+def part_state(sharding: ShardedState, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """This rank's part of the optimizer's state: one record per slice that has state."""
+    held = sharding.held(optimizer)
+    if held is None:
+        return []
+    index = {id(p): i for i, p in enumerate(sharding.params)}
+    records = []
+    for (pid, start), view in held.slices.items():
+        state = optimizer.state.get(view)
+        if state:
+            saved = {
+                k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()
+            }
+            on_device = [
+                k for k, v in state.items() if torch.is_tensor(v) and v.device == view.device
+            ]
+            records.append(
+                {
+                    "index": index[pid],
+                    "start": start,
+                    "stop": start + view.numel(),
+                    "state": saved,
+                    "on_device": on_device,
+                }
+            )
+    return records
+
+
+def load_parts(
+    sharding: ShardedState,
+    optimizer: torch.optim.Optimizer,
+    described: dict[str, Any],
+    parts: Callable[[int], list[dict[str, Any]]],
+) -> None:
+    """Give this rank's slices their state from the part files of a checkpoint written by any
+    number of ranks (``parts(r)``: rank ``r``'s records, read one rank at a time)."""
+    saved = described["sharded"]
+    if saved["type"] != type(optimizer).__name__:
+        raise ValueError(
+            f"the checkpoint's optimizer is {saved['type']}, this loop's "
+            f"{type(optimizer).__name__}: resume with the optimizer that wrote it"
+        )
+    groups = [list(g["params"]) for g in optimizer.param_groups]
+    if [[sharding.index(p) for p in g] for g in groups] != [g["params"] for g in saved["groups"]]:
+        raise ValueError(
+            "the checkpoint's optimizer has other parameter groups than this loop's: build "
+            "the optimizer over the same parameters, in the same groups, as the run that wrote it"
+        )
+    for group, kept in zip(optimizer.param_groups, saved["groups"], strict=True):
+        group.update({k: v for k, v in kept.items() if k != "params"})
+    held = sharding.hold(optimizer)
+    wanted: dict[int, list[Part]] = {}
+    for part in sharding.mine():
+        wanted.setdefault(part.index, []).append(part)
+    pieces: dict[tuple[int, int], dict[str, Any]] = {}
+    for rank in range(saved["world"]):
+        for record in parts(rank):
+            for part in wanted.get(record["index"], []):
+                _take(pieces, part, record)
+    for part in sharding.mine():
+        state = pieces.get((part.index, part.start))
+        if state is not None:
+            device = sharding.params[part.index].device
+            optimizer.state[sharding.view(held, part)] = {
+                k: v.to(device) if k in state["on_device"] else v
+                for k, v in state.items()
+                if k != "on_device"
+            }
+
+
+def _take(
+    pieces: dict[tuple[int, int], dict[str, Any]], part: Part, record: dict[str, Any]
+) -> None:
+    """Copy what ``record`` (a slice of the saving run) holds of ``part`` into its state."""
+    lo, hi = max(part.start, record["start"]), min(part.stop, record["stop"])
+    if lo >= hi:
+        return
+    into = pieces.setdefault((part.index, part.start), {"on_device": set(record["on_device"])})
+    for k, v in record["state"].items():
+        if torch.is_tensor(v) and v.dim() > 0:  # one value per element
+            if k not in into:
+                into[k] = torch.empty(part.size, dtype=v.dtype)
+            into[k][lo - part.start : hi - part.start] = v[
+                lo - record["start"] : hi - record["start"]
+            ]
+        else:  # one value for the whole parameter (the step count): the same in every slice
+            into[k] = v.clone() if torch.is_tensor(v) else v
+
+
+def save_parts(
+    sharding: ShardedState | None,
+    optimizer: torch.optim.Optimizer | None,
+    directory: str,
+    step: int,
+    comm: Comm,
+) -> bool:
+    """Every rank writes its part of a sharded optimizer's state for the checkpoint of ``step``
+    (a collective); whether the checkpoint itself may be written: every part was, or there is
+    nothing sharded. A rank that could not write warns on every rank."""
+    if sharding is None or optimizer is None:
+        return True
+    written = True
+    try:
+        checkpoint.save_part(directory, step, comm.rank, part_state(sharding, optimizer))
+    except OSError:
+        written = False
+    if all(comm.all_gather_object(written)):
+        return True
+    checkpoint.warn_unwritten(directory, step, "a rank could not write its part of the state")
+    return False
+
+
+def restore_parts(
+    sharding: ShardedState | None,
+    optimizer: torch.optim.Optimizer | None,
+    saved: dict[str, Any],
+    directory: str,
+) -> None:
+    """Give this rank its part of a sharded optimizer state that ``saved`` (a checkpoint) names."""
+    described = saved.get("optimizer")
+    if described is None or "sharded" not in described:
+        if sharding is not None and described is not None:
+            raise ValueError(
+                f"the checkpoint in {directory} holds a whole optimizer state, not one sharded "
+                "over the towers: resume it without shard_optimizer"
+            )
+        return
+    if sharding is None or optimizer is None:
+        raise ValueError(
+            f"the checkpoint in {directory} holds an optimizer state sharded over the towers: "
+            "resume it with shard_optimizer=True"
+        )
+    step = saved["step"]
+    load_parts(
+        sharding, optimizer, described, lambda rank: checkpoint.read_part(directory, step, rank)
+    )

@@ -1,0 +1,291 @@
+"""shard_optimizer=True: each tower keeps the optimizer state of its part, and the run is exact.
+
+One spawn of 3 workers runs every case (3 towers cut the test model's parameters inside them);
+each case is compared with a plain single-process loop over the same global batches, within
+the float64-derived bound (tests/exact.py). A checkpoint written by the 3 towers is resumed by
+2, which must end where the uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from exact import Reference, as_float64, states
+from helpers import Net, make_net, mse, regression_data
+from torch import nn
+
+import towers
+from towers.engines.shard import layout
+
+STEPS, CLIP = 7, 0.05
+
+
+def batches(size: int = 11, dtype: torch.dtype = torch.float32) -> list:
+    """``STEPS`` global batches of ``size`` samples, the last one short (an uneven end)."""
+    x, y = regression_data(STEPS * size)
+    x, y = (x, y) if dtype == torch.float32 else as_float64((x, y))
+    out = [(x[i : i + size], y[i : i + size]) for i in range(0, STEPS * size, size)]
+    out[-1] = (out[-1][0][: size // 2], out[-1][1][: size // 2])
+    return out
+
+
+def make(name: str, params, dtype=torch.float32):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.05)
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _state_elements(opt: torch.optim.Optimizer) -> int:
+    return sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim() > 0)
+
+
+# -- the towers' loops ----------------------------------------------------------------------------
+
+
+def _sgd_plain_backward(ctx) -> tuple:
+    """SGD with Nesterov momentum and weight decay, a StepLR schedule, a plain loss.backward()."""
+    torch.manual_seed(ctx.rank)  # replicate() gives every rank rank 0's weights
+    model = ctx.replicate(Net(), shard_optimizer=True)
+    opt = make("sgd", model.parameters())
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+    for shard in ctx.shards(batches()):
+        mse(model, shard).backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+    return _state(model), _state_elements(opt)
+
+
+def _adam_clipped(ctx, balance: bool) -> tuple:
+    """Adam, ctx.backward, clip_grad_norm_ over the whole model (the norm over all parts)."""
+    torch.manual_seed(0)
+    model = ctx.replicate(Net(), shard_optimizer=True, balance=balance)
+    opt = make("adam", model.parameters())
+    norms = []
+    for shard in ctx.shards(batches()):
+        ctx.backward(mse(model, shard))
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+    return _state(model), norms, _state_elements(opt)
+
+
+def _adamw_scaled_accumulated(ctx, directory: Path, stop: int | None) -> dict:
+    """AdamW with weight decay, a GradScaler, two micro-batches a step, a checkpoint at each
+    step; ``stop``: leave after that many steps (a run that is resumed later)."""
+    torch.manual_seed(0)
+    model = ctx.replicate(Net(), shard_optimizer=True)
+    opt = make("adamw", model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    start, _ = ctx.load_checkpoint(directory, model, opt)
+    for step, shard in enumerate(ctx.shards(batches(12)[start:]), start=start):
+        if step == stop:
+            break
+        x, y = shard
+        half = len(x) // 2
+        ctx.accumulate(mse(model, (x[:half], y[:half])), half, scaler=scaler)
+        ctx.backward(mse(model, (x[half:], y[half:])), len(x) - half, scaler=scaler)
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ctx.save_checkpoint(directory, step + 1, model, opt)
+    return _state(model)
+
+
+def _mistakes(ctx) -> dict[str, str]:
+    errors = {}
+    model = ctx.replicate(Net(), shard_optimizer=True)
+    shard = next(iter(ctx.shards(batches())))
+    for name, build in {
+        "lbfgs": lambda: torch.optim.LBFGS(model.parameters()),
+        "stranger": lambda: torch.optim.SGD(
+            [*model.parameters(), torch.zeros(2, requires_grad=True)], lr=0.1
+        ),
+    }.items():
+        opt = build()
+        ctx.backward(mse(model, shard))
+        try:
+            opt.step(lambda: mse(model, shard)) if name == "lbfgs" else opt.step()
+        except ValueError as exc:
+            errors[name] = str(exc)
+        opt.zero_grad()
+    opt = torch.optim.SGD(model.fc1.parameters(), lr=0.1)
+    ctx.step(mse(model, shard), opt)
+    try:
+        opt.state_dict()
+    except RuntimeError as exc:
+        errors["state_dict"] = str(exc)
+    opt.add_param_group({"params": model.fc2.parameters()})
+    ctx.backward(mse(model, shard))
+    try:
+        opt.step()
+    except ValueError as exc:
+        errors["group"] = str(exc)
+    # frozen parameters in the optimizer's groups stay whole and unchanged, as in one process
+    frozen = Net()
+    frozen.fc1.requires_grad_(False)
+    frozen = ctx.replicate(frozen, shard_optimizer=True)
+    before = _state(frozen)
+    opt = torch.optim.AdamW(frozen.parameters(), lr=0.1)
+    ctx.step(mse(frozen, shard), opt)
+    after = _state(frozen)
+    errors["frozen"] = [k for k in before if not torch.equal(before[k], after[k])]
+    for kwargs in ({"shard_optimizer": "yes"}, {"shard_optimizer": True, "mode": "diloco:2"}):
+        try:
+            ctx.replicate(Net(), **kwargs)
+        except (TypeError, ValueError) as exc:
+            errors[str(kwargs)] = f"{type(exc).__name__}: {exc}"
+    return errors
+
+
+def sharded_cases(directory: Path) -> dict:
+    ctx = towers.init(timeout=60)
+    try:
+        return {
+            "sgd": _sgd_plain_backward(ctx),
+            "adam": _adam_clipped(ctx, balance=False),
+            "adam balanced": _adam_clipped(ctx, balance=True),
+            "adamw": _adamw_scaled_accumulated(ctx, directory / "whole", None),
+            "first 3": _adamw_scaled_accumulated(ctx, directory / "resumed", 3),
+            "mistakes": _mistakes(ctx),
+        }
+    finally:
+        ctx.close()
+
+
+def resumed_case(directory: Path) -> dict:
+    ctx = towers.init(timeout=60)
+    try:
+        return _adamw_scaled_accumulated(ctx, directory / "resumed", None)
+    finally:
+        ctx.close()
+
+
+# -- the plain loops ------------------------------------------------------------------------------
+
+
+def _plain(
+    name: str, dtype: torch.dtype, *, size: int = 11, clip: float | None = None, micro: bool = False
+):
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    opt = make(name, model.parameters())
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5) if name == "sgd" else None
+    norms = []
+    for x, y in batches(size, dtype):
+        if micro:  # each micro-batch's mean loss weighted by its samples: the batch's mean
+            half = len(x) // 2
+            (mse(model, (x[:half], y[:half])) * half / len(x)).backward()
+            (mse(model, (x[half:], y[half:])) * (len(x) - half) / len(x)).backward()
+        else:
+            mse(model, (x, y)).backward()
+        if clip is not None:
+            norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        if schedule is not None:
+            schedule.step()
+    return model, norms
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sharded_optimizer_state_trains_as_one_process_and_resumes_on_fewer_towers(tmp_path):
+    out = towers.spawn(sharded_cases, 3, tmp_path)
+    resumed = towers.spawn(resumed_case, 2, tmp_path)
+
+    sgd = Reference.run(functools.partial(_plain, "sgd"))
+    adam = Reference.run(functools.partial(_plain, "adam", clip=CLIP))
+    (m32, n32), (m64, n64) = (_plain("adam", d, clip=CLIP) for d in (torch.float32, torch.float64))
+    norms = Reference(states(m32), states(m64), n32, n64)
+    adamw = Reference.run(functools.partial(_plain, "adamw", size=12, clip=1.0, micro=True))
+    parts = [sum(p.size for p in ps) for ps in layout([24, 8, 8, 1], 3)]
+    assert parts == [14, 14, 13]  # fc1.weight and fc1.bias are cut between towers
+    for rank, got in enumerate(out):
+        sgd.check(got["sgd"][0], f"rank {rank}, SGD")
+        # each tower holds the momentum of its part only: a third of the state
+        assert got["sgd"][1] == parts[rank], got["sgd"][1]
+        for case in ("adam", "adam balanced"):
+            params, got_norms, elements = got[case]
+            assert max(got_norms) > CLIP  # the clipping did bite
+            adam.check(params, f"rank {rank}, {case}")
+            norms.check_losses(got_norms, f"rank {rank}, {case}: gradient norms over all parts")
+            assert elements == 2 * parts[rank]  # exp_avg and exp_avg_sq of its part
+        adamw.check(got["adamw"], f"rank {rank}, AdamW, GradScaler, accumulation")
+        errors = got["mistakes"]
+        assert "cannot shard LBFGS" in errors["lbfgs"] and "whole parameters" in errors["lbfgs"]
+        assert "not the replicated model's trainable parameters" in errors["stranger"]
+        assert "ctx.save_checkpoint" in errors["state_dict"]
+        assert "a parameter group added?" in errors["group"]
+        assert errors["frozen"] == ["fc2.weight", "fc2.bias"]
+        assert errors["{'shard_optimizer': 'yes'}"].startswith("TypeError: shard_optimizer must")
+        assert "needs mode='sync'" in errors["{'shard_optimizer': True, 'mode': 'diloco:2'}"]
+    # 3 towers wrote a checkpoint after 3 steps; 2 towers resumed it and ended where the
+    # uninterrupted 3-tower run ended
+    for rank, got in enumerate(resumed):
+        adamw.check(got, f"resumed on 2 towers, rank {rank}")
+    # each rank writes its part beside the checkpoint; the two newest are kept, parts and all
+    files = sorted(p.name for p in (tmp_path / "resumed").iterdir())
+    assert files == [
+        f"step-{s:08d}{end}" for s in (6, 7) for end in (".part-00000.pt", ".part-00001.pt", ".pt")
+    ], files
+
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+DECAY = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.7)
+DATA = regression_data(23)  # batches of 5: 5 per epoch, the last of 3 samples
+
+
+def train(steps: int, workers: int, **kwargs):
+    return towers.train(
+        make_net(), mse, DATA, batch_size=5, steps=steps, workers=workers, optimizer=ADAMW,
+        lr_schedule=DECAY, seed=11, progress=False, shard_optimizer=True, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_train_with_sharded_state_resumes_on_more_towers_as_one_process(tmp_path):
+    first = train(7, 2, checkpoint=tmp_path, checkpoint_every=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"step-{s:08d}{end}" for s in (6, 7) for end in (".part-00000.pt", ".part-00001.pt", ".pt")
+    ]
+    resumed = train(12, 3, checkpoint=tmp_path, checkpoint_every=3, balance=True, transport="gloo")
+    for result, steps in ((first, 7), (resumed, 12)):
+        reference = Reference.of(
+            make_net(), DATA, batch_size=5, steps=steps, optimizer=ADAMW, lr_schedule=DECAY,
+            seed=11, towers=len(result.shards[-1]), shards=result.shards,
+        )  # fmt: skip
+        reference.check_losses(result.losses, f"{steps} steps")
+        reference.check(result.model, f"{steps} steps")
+    # (over Gloo the parts are gathered by all_gather, over shared memory by an in-place sum)
+    # an unsharded run cannot resume a sharded checkpoint: it says how
+    with pytest.raises(ValueError, match="resume it with shard_optimizer=True"):
+        towers.train(
+            make_net(), mse, DATA, batch_size=5, steps=14, workers=2, optimizer=ADAMW,
+            lr_schedule=DECAY, seed=11, progress=False, checkpoint=tmp_path,
+        )  # fmt: skip
+
+
+def test_train_refuses_what_it_cannot_shard_before_any_worker_starts():
+    lbfgs = functools.partial(torch.optim.LBFGS, lr=0.1)
+    cases = [
+        ({"optimizer": lbfgs}, ValueError, "cannot shard LBFGS"),
+        ({"mode": "async"}, ValueError, "needs mode='sync'"),
+        ({"mode": "diloco:2"}, ValueError, "needs mode='sync'"),
+        ({"shard_optimizer": 1}, TypeError, "shard_optimizer must be True or False"),
+    ]
+    for kwargs, kind, message in cases:
+        args = {"shard_optimizer": True, **kwargs}
+        with pytest.raises(kind, match=message):
+            towers.train(make_net(), mse, DATA, batch_size=5, steps=2, workers=2, **args)
