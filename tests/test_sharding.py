@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from exact import Reference, as_float64, states
+from exact import Reference, as_float64, bound, states
 from helpers import Net, make_net, mse, regression_data
 from torch import nn
 
@@ -289,3 +289,26 @@ def test_train_refuses_what_it_cannot_shard_before_any_worker_starts():
         args = {"shard_optimizer": True, **kwargs}
         with pytest.raises(kind, match=message):
             towers.train(make_net(), mse, DATA, batch_size=5, steps=2, workers=2, **args)
+
+
+@pytest.mark.timeout(120)
+def test_a_compressed_sum_steps_the_same_with_its_state_sharded():
+    """int8 sums are not split by owner: the gradient is summed whole, as without sharding,
+    and only the optimizer's step is cut. Its result is the unsharded run's, up to the
+    float32 rounding the plain loop's float64 comparison allows (both sides of the bound)."""
+
+    def run(**kwargs):
+        return towers.train(
+            make_net(), mse, DATA, batch_size=5, steps=9, workers=2, optimizer=ADAMW,
+            seed=11, progress=False, compress="int8", balance=False, **kwargs,
+        )  # fmt: skip
+
+    whole, sharded = run(), run(shard_optimizer=True)
+    reference = Reference.of(make_net(), DATA, batch_size=5, steps=9, optimizer=ADAMW, seed=11)
+    floats = list(reference.exact)
+    _, allowed = bound([reference.single[n] for n in floats], [reference.exact[n] for n in floats])
+    for name, value in states(sharded.model).items():
+        off = float((value - states(whole.model)[name]).abs().max())
+        assert off <= 2 * allowed, (
+            f"{name}: {off:.3g} from the unsharded run, bound {2 * allowed:.3g}"
+        )
