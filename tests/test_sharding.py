@@ -14,13 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 from exact import Reference, as_float64, bound, states
-from helpers import Net, make_net, mse, regression_data
+from helpers import Net, mse, regression_data
 from torch import nn
 
 import towers
-from towers.engines.shard import layout
+from towers.engines.shard import ELEMENTWISE, layout
 
 STEPS, CLIP = 7, 0.05
+
+
+def wide(seed: int = 0) -> Net:
+    """321 parameters: over 3 towers fc1.weight (192) is cut at 128 (cuts fall on multiples of
+    64 elements)."""
+    torch.manual_seed(seed)
+    return Net(hidden=64)
 
 
 def batches(size: int = 11, dtype: torch.dtype = torch.float32) -> list:
@@ -53,8 +60,7 @@ def _state_elements(opt: torch.optim.Optimizer) -> int:
 
 def _sgd_plain_backward(ctx) -> tuple:
     """SGD with Nesterov momentum and weight decay, a StepLR schedule, a plain loss.backward()."""
-    torch.manual_seed(ctx.rank)  # replicate() gives every rank rank 0's weights
-    model = ctx.replicate(Net(), shard_optimizer=True)
+    model = ctx.replicate(wide(seed=ctx.rank), shard_optimizer=True)  # rank 0's weights
     opt = make("sgd", model.parameters())
     schedule = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
     for shard in ctx.shards(batches()):
@@ -68,7 +74,7 @@ def _sgd_plain_backward(ctx) -> tuple:
 def _adam_clipped(ctx, balance: bool) -> tuple:
     """Adam, ctx.backward, clip_grad_norm_ over the whole model (the norm over all parts)."""
     torch.manual_seed(0)
-    model = ctx.replicate(Net(), shard_optimizer=True, balance=balance)
+    model = ctx.replicate(wide(), shard_optimizer=True, balance=balance)
     opt = make("adam", model.parameters())
     norms = []
     for shard in ctx.shards(batches()):
@@ -83,7 +89,7 @@ def _adamw_scaled_accumulated(ctx, directory: Path, stop: int | None) -> dict:
     """AdamW with weight decay, a GradScaler, two micro-batches a step, a checkpoint at each
     step; ``stop``: leave after that many steps (a run that is resumed later)."""
     torch.manual_seed(0)
-    model = ctx.replicate(Net(), shard_optimizer=True)
+    model = ctx.replicate(wide(), shard_optimizer=True)
     opt = make("adamw", model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     start, _ = ctx.load_checkpoint(directory, model, opt)
@@ -105,7 +111,7 @@ def _adamw_scaled_accumulated(ctx, directory: Path, stop: int | None) -> dict:
 
 def _mistakes(ctx) -> dict[str, str]:
     errors = {}
-    model = ctx.replicate(Net(), shard_optimizer=True)
+    model = ctx.replicate(wide(), shard_optimizer=True)
     shard = next(iter(ctx.shards(batches())))
     for name, build in {
         "lbfgs": lambda: torch.optim.LBFGS(model.parameters()),
@@ -121,6 +127,18 @@ def _mistakes(ctx) -> dict[str, str]:
             errors[name] = str(exc)
         opt.zero_grad()
     opt = torch.optim.SGD(model.fc1.parameters(), lr=0.1)
+    ctx.backward(mse(model, shard))
+    try:
+        opt.step(lambda: mse(model, shard))
+    except ValueError as exc:
+        errors["closure"] = str(exc)
+    hook = opt.register_step_post_hook(lambda *args: None)
+    try:
+        opt.step()
+    except ValueError as exc:
+        errors["hooks"] = str(exc)
+    hook.remove()
+    model.zero_grad()
     ctx.step(mse(model, shard), opt)
     try:
         opt.state_dict()
@@ -179,7 +197,7 @@ def _plain(
     name: str, dtype: torch.dtype, *, size: int = 11, clip: float | None = None, micro: bool = False
 ):
     torch.manual_seed(0)
-    model = Net().to(dtype)
+    model = wide().to(dtype)
     opt = make(name, model.parameters())
     schedule = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5) if name == "sgd" else None
     norms = []
@@ -210,8 +228,8 @@ def test_sharded_optimizer_state_trains_as_one_process_and_resumes_on_fewer_towe
     (m32, n32), (m64, n64) = (_plain("adam", d, clip=CLIP) for d in (torch.float32, torch.float64))
     norms = Reference(states(m32), states(m64), n32, n64)
     adamw = Reference.run(functools.partial(_plain, "adamw", size=12, clip=1.0, micro=True))
-    parts = [sum(p.size for p in ps) for ps in layout([24, 8, 8, 1], 3)]
-    assert parts == [14, 14, 13]  # fc1.weight and fc1.bias are cut between towers
+    parts = [sum(p.size for p in ps) for ps in layout([192, 64, 64, 1], 3)]
+    assert parts == [128, 128, 65]  # fc1.weight is cut between towers 0 and 1
     for rank, got in enumerate(out):
         sgd.check(got["sgd"][0], f"rank {rank}, SGD")
         # each tower holds the momentum of its part only: a third of the state
@@ -228,6 +246,8 @@ def test_sharded_optimizer_state_trains_as_one_process_and_resumes_on_fewer_towe
         assert "not the replicated model's trainable parameters" in errors["stranger"]
         assert "ctx.save_checkpoint" in errors["state_dict"]
         assert "a parameter group added?" in errors["group"]
+        assert "step(closure) is not available" in errors["closure"]
+        assert "step hooks of its own" in errors["hooks"]
         assert errors["frozen"] == ["fc2.weight", "fc2.bias"]
         assert errors["{'shard_optimizer': 'yes'}"].startswith("TypeError: shard_optimizer must")
         assert "needs mode='sync'" in errors["{'shard_optimizer': True, 'mode': 'diloco:2'}"]
@@ -249,7 +269,7 @@ DATA = regression_data(23)  # batches of 5: 5 per epoch, the last of 3 samples
 
 def train(steps: int, workers: int, **kwargs):
     return towers.train(
-        make_net(), mse, DATA, batch_size=5, steps=steps, workers=workers, optimizer=ADAMW,
+        wide(), mse, DATA, batch_size=5, steps=steps, workers=workers, optimizer=ADAMW,
         lr_schedule=DECAY, seed=11, progress=False, shard_optimizer=True, **kwargs,
     )  # fmt: skip
 
@@ -260,10 +280,18 @@ def test_train_with_sharded_state_resumes_on_more_towers_as_one_process(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"step-{s:08d}{end}" for s in (6, 7) for end in (".part-00000.pt", ".part-00001.pt", ".pt")
     ]
+    # a damaged part is named; a part whose checkpoint was never written is removed
+    part = tmp_path / "step-00000007.part-00001.pt"
+    good = part.read_bytes()
+    part.write_bytes(good[:-9] + bytes(9))
+    with pytest.raises(ValueError, match=r"part-00001\.pt does not match the sha256"):
+        train(12, 3, checkpoint=tmp_path, checkpoint_every=3)
+    part.write_bytes(good)
+    (tmp_path / "step-00000005.part-00000.pt").write_bytes(good)
     resumed = train(12, 3, checkpoint=tmp_path, checkpoint_every=3, balance=True, transport="gloo")
     for result, steps in ((first, 7), (resumed, 12)):
         reference = Reference.of(
-            make_net(), DATA, batch_size=5, steps=steps, optimizer=ADAMW, lr_schedule=DECAY,
+            wide(), DATA, batch_size=5, steps=steps, optimizer=ADAMW, lr_schedule=DECAY,
             seed=11, towers=len(result.shards[-1]), shards=result.shards,
         )  # fmt: skip
         reference.check_losses(result.losses, f"{steps} steps")
@@ -272,7 +300,7 @@ def test_train_with_sharded_state_resumes_on_more_towers_as_one_process(tmp_path
     # an unsharded run cannot resume a sharded checkpoint: it says how
     with pytest.raises(ValueError, match="resume it with shard_optimizer=True"):
         towers.train(
-            make_net(), mse, DATA, batch_size=5, steps=14, workers=2, optimizer=ADAMW,
+            wide(), mse, DATA, batch_size=5, steps=14, workers=2, optimizer=ADAMW,
             lr_schedule=DECAY, seed=11, progress=False, checkpoint=tmp_path,
         )  # fmt: skip
 
@@ -288,7 +316,7 @@ def test_train_refuses_what_it_cannot_shard_before_any_worker_starts():
     for kwargs, kind, message in cases:
         args = {"shard_optimizer": True, **kwargs}
         with pytest.raises(kind, match=message):
-            towers.train(make_net(), mse, DATA, batch_size=5, steps=2, workers=2, **args)
+            towers.train(wide(), mse, DATA, batch_size=5, steps=2, workers=2, **args)
 
 
 @pytest.mark.timeout(120)
@@ -299,12 +327,12 @@ def test_a_compressed_sum_steps_the_same_with_its_state_sharded():
 
     def run(**kwargs):
         return towers.train(
-            make_net(), mse, DATA, batch_size=5, steps=9, workers=2, optimizer=ADAMW,
+            wide(), mse, DATA, batch_size=5, steps=9, workers=2, optimizer=ADAMW,
             seed=11, progress=False, compress="int8", balance=False, **kwargs,
         )  # fmt: skip
 
     whole, sharded = run(), run(shard_optimizer=True)
-    reference = Reference.of(make_net(), DATA, batch_size=5, steps=9, optimizer=ADAMW, seed=11)
+    reference = Reference.of(wide(), DATA, batch_size=5, steps=9, optimizer=ADAMW, seed=11)
     floats = list(reference.exact)
     _, allowed = bound([reference.single[n] for n in floats], [reference.exact[n] for n in floats])
     for name, value in states(sharded.model).items():
@@ -312,3 +340,31 @@ def test_a_compressed_sum_steps_the_same_with_its_state_sharded():
         assert off <= 2 * allowed, (
             f"{name}: {off:.3g} from the unsharded run, bound {2 * allowed:.3g}"
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_slice_steps_as_its_whole_parameter_bit_for_bit(dtype):
+    """The cuts fall on multiples of 64 elements, so each slice runs the whole parameter's
+    vectorised loop: every element-wise optimizer steps the slices exactly as the whole
+    (a cut at 333 gives bfloat16 and float16 SGD momentum and RMSprop a rounding apart)."""
+    torch.set_num_threads(1)
+    parts = [p for ps in layout([1000], 3) for p in ps]
+    assert [(p.start, p.stop) for p in parts] == [(0, 384), (384, 704), (704, 1000)]
+    for kind in ELEMENTWISE:
+        options = {"momentum": 0.9} if kind in (torch.optim.SGD, torch.optim.RMSprop) else {}
+        if kind is not torch.optim.Rprop:
+            options["weight_decay"] = 0.1
+        g = torch.Generator().manual_seed(0)
+        whole = torch.randn(1000, generator=g).to(dtype)
+        cut = whole.clone()
+        slices = [cut[p.start : p.stop] for p in parts]
+        one, each = kind([whole], lr=0.01, **options), kind(slices, lr=0.01, **options)
+        for _ in range(5):
+            grad = torch.randn(1000, generator=g).to(dtype)
+            whole.grad = grad.clone()
+            for view, p in zip(slices, parts, strict=True):
+                view.grad = grad[p.start : p.stop].clone()
+            one.step()
+            each.step()
+        # float16 Adam with weight decay overflows to nan in both alike
+        assert torch.equal(whole.nan_to_num(), cut.nan_to_num()), kind.__name__

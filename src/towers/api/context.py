@@ -135,6 +135,8 @@ class Context:
             balance: :meth:`shards` splits each global batch in proportion to the ranks'
                 measured speed (the time from a shard to its backward); ``None`` (default):
                 wherever that keeps results exact, as ``towers.train``'s ``balance``.
+            shard_optimizer: each tower keeps the optimizer's state of its part of the
+                parameters only, steps that part and gathers the others' (docs/sharding.md)
 
         Returns:
             ``model`` itself, moved to :attr:`device`.
@@ -149,6 +151,9 @@ class Context:
             outer_optimizer=outer_optimizer,
             balance=balance,
         )
+        sharding = sharding_for(model, self._group, shard_optimizer, ready.mode)
+        if self._state.sharding is not None:  # the model replicated before: no longer sharded
+            self._state.sharding.remove()
         self._state.replica = Replica(model)
         self._state.plan = ready.plan
         self._state.balanced(ready.balance)
@@ -161,7 +166,7 @@ class Context:
         )
         self._steps.attach(driver, model)
         breaks = self._state.plan.attach(model.to(self.device))
-        self._state.sharding = sharding_for(model, self._group, shard_optimizer, ready.mode)
+        self._state.sharding = sharding.start() if sharding is not None else None
         return driver.replicate(model, bucket_bytes, breaks)
 
     def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:

@@ -34,11 +34,13 @@ def save_loop(
     """Write the loop's state of ``step`` (a collective: every rank calls it; rank 0 writes)."""
     shared = state.checkpoint(driver, replica)
     comm = driver.group.comm
-    if not save_parts(state.sharding, replica.optimizer, os.fspath(directory), step, comm):
+    where = os.fspath(directory)
+    if not save_parts(state.sharding, replica.optimizer, where, step, comm, shared):
         return
     if comm.rank != 0:
         return
-    checkpoint.save_or_warn(directory, step, "loop", {**shared, "extra": extra or {}})
+    if checkpoint.save_or_warn(directory, step, "loop", {**shared, "extra": extra or {}}) is None:
+        checkpoint.drop_parts(directory, step)
 
 
 def load_loop(

@@ -160,9 +160,11 @@ def save(directory: str | os.PathLike[str], step: int, kind: str, payload: dict[
     root = Path(directory)
     final = root / f"step-{step:08d}.pt"
     _write(root, final, buffer)
-    for old_step, old in checkpoint_files(root)[KEEP:]:
+    for _, old in checkpoint_files(root)[KEEP:]:
         old.unlink(missing_ok=True)
-        for part in root.glob(f"step-{old_step:08d}.part-*.pt"):
+    kept = {s for s, _ in checkpoint_files(root)}
+    for part in root.glob("step-*.part-*.pt"):  # the dropped ones', and any left unnamed
+        if int(part.name[5:13]) not in kept:
             part.unlink(missing_ok=True)
     return final
 
@@ -193,15 +195,39 @@ def part_path(directory: str | os.PathLike[str], step: int, rank: int) -> Path:
     return Path(directory) / f"step-{step:08d}.part-{rank:05d}.pt"
 
 
-def save_part(directory: str | os.PathLike[str], step: int, rank: int, part: Any) -> None:
-    """Write one rank's part of the checkpoint of ``step`` atomically."""
+def drop_parts(directory: str | os.PathLike[str], step: int) -> None:
+    """Remove the parts of the checkpoint of ``step`` (its main file could not be written)."""
+    for part in Path(directory).glob(f"step-{step:08d}.part-*.pt"):
+        part.unlink(missing_ok=True)
+
+
+def save_part(directory: str | os.PathLike[str], step: int, rank: int, part: Any) -> str:
+    """Write one rank's part of the checkpoint of ``step`` atomically; its sha256, which the
+    checkpoint records."""
     buffer = io.BytesIO()
     torch.save(part, buffer)
     _write(Path(directory), part_path(directory, step, rank), buffer)
+    return hashlib.sha256(buffer.getbuffer()).hexdigest()
 
 
-def read_part(directory: str | os.PathLike[str], step: int, rank: int) -> Any:
-    return torch.load(part_path(directory, step, rank), map_location="cpu", weights_only=True)
+def read_part(directory: str | os.PathLike[str], step: int, rank: int, sha256: str) -> Any:
+    """One rank's part of the checkpoint of ``step``, checked against the ``sha256`` the
+    checkpoint recorded, and mapped rather than read whole."""
+    path = part_path(directory, step, rank)
+    found = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                found.update(block)
+    except FileNotFoundError:
+        raise ValueError(
+            f"{path} is missing: the checkpoint of step {step} has a part from every tower, "
+            "written where that tower runs; across hosts, checkpoint into a directory every "
+            "host shares"
+        ) from None
+    if found.hexdigest() != sha256:
+        raise ValueError(f"{path} does not match the sha256 its checkpoint recorded: it is damaged")
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def save_or_warn(

@@ -57,7 +57,11 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
 """Optimizers whose step updates every element from its own gradient and state (and scalars
 shared by the whole parameter, such as the step count): exact when parameters are cut."""
 
-GATHER_ELEMENTS = 1 << 20  # elements a rank sends per gather call: bounds the gather's buffer
+GATHER_ELEMENTS = 1 << 20  # elements per gather call, over all ranks: bounds its buffer
+ALIGN = 64
+"""A cut inside a parameter falls on a multiple of this many elements from its start, so that a
+slice is processed by the same vectorised loop as the whole parameter (its tail is the
+parameter's): the element-wise step of a slice is the whole parameter's, bit for bit."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,16 +78,18 @@ class Part:
 
 
 def layout(sizes: list[int], world: int) -> list[list[Part]]:
-    """Each rank's parts of parameters of ``sizes`` elements: balanced by elements."""
+    """Each rank's parts of parameters of ``sizes`` elements: balanced by elements, within
+    :data:`ALIGN` elements, as a cut inside a parameter falls on a multiple of ``ALIGN``."""
     per = max(1, -(-sum(sizes) // world))
     owned: list[list[Part]] = [[] for _ in range(world)]
     offset = 0
     for index, size in enumerate(sizes):
-        at = offset
-        while at < offset + size:
-            rank = at // per
-            stop = min(offset + size, (rank + 1) * per)
-            owned[rank].append(Part(index, at - offset, stop - offset))
+        at = 0
+        while at < size:
+            rank = (offset + at) // per
+            stop = (rank + 1) * per - offset  # where the rank's elements end, in this parameter
+            stop = size if stop >= size else min(size, -(-stop // ALIGN) * ALIGN)
+            owned[rank].append(Part(index, at, stop))
             at = stop
         offset += size
     return owned
@@ -117,6 +123,11 @@ def refuse_unshardable(optimizer: torch.optim.Optimizer) -> None:
             "whole parameters (factored moments, a per-parameter trust ratio, "
             "orthogonalised updates) would change the result. Train it without "
             "shard_optimizer"
+        )
+    if any(group.get("differentiable") for group in optimizer.param_groups):
+        raise ValueError(
+            "shard_optimizer cannot shard an optimizer built with differentiable=True: its "
+            "step would run on detached slices of the parameters, outside their graph"
         )
 
 
@@ -155,10 +166,17 @@ class ShardedState:
             weakref.WeakKeyDictionary()
         )
         self._buffers: dict[torch.dtype, torch.Tensor | None] = {}  # see _lent
-        self._hooks = [
-            register_optimizer_step_pre_hook(self._before),
-            register_optimizer_step_post_hook(self._after),
-        ]
+        self._hooks: list[Any] = []
+
+    def start(self) -> ShardedState:
+        """Shard every optimizer over the model's parameters from now on (torch's global step
+        hooks, until :meth:`remove`)."""
+        if not self._hooks:
+            self._hooks = [
+                register_optimizer_step_pre_hook(self._before),
+                register_optimizer_step_post_hook(self._after),
+            ]
+        return self
 
     def remove(self) -> None:
         """Stop sharding: remove the step hooks (an optimizer keeps the state it has)."""
@@ -201,24 +219,37 @@ class ShardedState:
     # -- the step -------------------------------------------------------------------------------
 
     def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        held = self._held.get(optimizer)
+        if held is not None and held.swapped:  # the last step raised inside: whole again
+            self._unswap(optimizer, held)
         groups = [list(g["params"]) for g in optimizer.param_groups]
         ours = self._ours(groups)
         if not ours or all(id(p) in self._frozen for p in ours):
             return  # another model's optimizer
-        held = self._held.get(optimizer)
-        if held is not None and held.swapped:  # the last step raised before its end
-            groups = held.groups
         if held is None:
             held = self._adopt(optimizer, groups, ours)
-        elif [[id(p) for p in g] for g in groups] != [[id(p) for p in g] for g in held.groups]:
+        _refuse_step_extras(optimizer, args, kwargs)
+        if [[id(p) for p in g] for g in groups] != [[id(p) for p in g] for g in held.groups]:
             raise ValueError(
                 "shard_optimizer: the optimizer's parameters changed after its first step (a "
                 "parameter group added?); every tower keeps the state of its part of the "
                 "parameters the first step saw: add every group before the first step"
             )
-        for group, params in zip(optimizer.param_groups, held.groups, strict=True):
-            group["params"] = self._slices(held, params)
+        for p in ours:
+            if p.grad is not None and p.grad.is_sparse:  # the same on every rank
+                raise ValueError("shard_optimizer cannot shard a parameter with a sparse gradient")
+        swapped = [self._slices(held, params) for params in held.groups]
+        for group, params in zip(optimizer.param_groups, swapped, strict=True):
+            group["params"] = params
         held.swapped = True
+
+    def _unswap(self, optimizer: torch.optim.Optimizer, held: Held) -> None:
+        """Give ``optimizer``'s groups their whole parameters back."""
+        for group, params in zip(optimizer.param_groups, held.groups, strict=True):
+            group["params"] = params
+        for view in held.slices.values():
+            view.grad = None  # a view of the gradient keeps the whole gradient alive
+        held.swapped = False
 
     def _adopt(
         self, optimizer: torch.optim.Optimizer, groups: list[list[torch.Tensor]], ours: list[Any]
@@ -263,12 +294,11 @@ class ShardedState:
         held = self._held.get(optimizer)
         if held is None or not held.swapped:
             return
-        for group, params in zip(optimizer.param_groups, held.groups, strict=True):
-            group["params"] = params
-        for view in held.slices.values():
-            view.grad = None  # a view of the gradient keeps the whole gradient alive
-        held.swapped = False
-        self.gather({self._index[id(p)] for g in held.groups for p in g if id(p) in self._index})
+        self._unswap(optimizer, held)
+        if self.world > 1:
+            self.gather(
+                {self._index[id(p)] for g in held.groups for p in g if id(p) in self._index}
+            )
 
     def gather(self, indices: set[int]) -> None:
         """Every rank's updated parts of the parameters ``indices`` into every rank's copy."""
@@ -286,31 +316,34 @@ class ShardedState:
         width = max(sum(part.size for part in ps) for ps in parts)
         device = self.params[0].device
         lent = self._lent(comm, dtype)
-        for begin in range(0, width, GATHER_ELEMENTS):
-            n = min(GATHER_ELEMENTS, width - begin)
+        step = max(1, GATHER_ELEMENTS // self.world)
+        for begin in range(0, width, step):
+            n = min(step, width - begin)
             if lent is not None:  # shared memory: a sum where only the owner is not zero
                 out = lent[: n * self.world]
                 out.zero_()
-                self._copy(
-                    parts[self.rank], out[self.rank * n : (self.rank + 1) * n], begin, out=True
-                )
+                mine = out[self.rank * n : (self.rank + 1) * n]
+                self._copy(parts[self.rank], mine, begin, out=True)
                 comm.all_reduce_sum(out).wait()
+                others = list(range(self.world))  # the owner too: -0.0 arrives as +0.0 everywhere
             else:
                 chunk = torch.zeros(n, dtype=dtype, device=device)
                 self._copy(parts[self.rank], chunk, begin, out=True)
                 out = torch.empty(n * self.world, dtype=dtype, device=device)
                 comm.all_gather(out, chunk).wait()
-            for rank, ps in enumerate(parts):
-                if rank != self.rank:
-                    self._copy(ps, out[rank * n : (rank + 1) * n], begin, out=False)
+                others = [r for r in range(self.world) if r != self.rank]
+            for rank in others:
+                self._copy(parts[rank], out[rank * n : (rank + 1) * n], begin, out=False)
 
     def _lent(self, comm: Comm, dtype: torch.dtype) -> torch.Tensor | None:
-        """A buffer that ``comm`` sums in place (shared memory), for gathers of ``dtype``: a
-        collective, asked once per dtype (``None`` where the transport lends none)."""
+        """A buffer that ``comm`` sums in place (shared memory, on one host), for gathers of
+        ``dtype``: a collective, asked once per dtype; ``None`` where the transport lends none
+        or the ranks span hosts (a sum between hosts would move twice an all-gather's bytes)."""
         if dtype not in self._buffers:
             widest = max(sum(part.size for part in ps) for ps in self.parts)
-            n = min(widest, GATHER_ELEMENTS) * self.world
-            self._buffers[dtype] = comm.buffer(n, dtype) if dtype.is_floating_point else None
+            n = min(widest, max(1, GATHER_ELEMENTS // self.world)) * self.world
+            usable = dtype.is_floating_point and comm.levels is None
+            self._buffers[dtype] = comm.buffer(n, dtype) if usable else None
         return self._buffers[dtype]
 
     def _copy(self, parts: list[Part], chunk: torch.Tensor, begin: int, *, out: bool) -> None:
@@ -334,3 +367,25 @@ def _refuse_state_dict(optimizer: torch.optim.Optimizer, *args: Any) -> None:
         "holds only its part, so its state_dict is not the whole state. Save and resume with "
         "ctx.save_checkpoint and ctx.load_checkpoint, which write every tower's part"
     )
+
+
+def _refuse_step_extras(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """What a sharded step cannot honour: a closure, and the optimizer's own step hooks."""
+    if (len(args) > 1 and args[1] is not None) or kwargs.get(
+        "closure"
+    ) is not None:  # args[0]: self
+        raise ValueError(
+            "shard_optimizer: optimizer.step(closure) is not available with sharded state (the "
+            "closure's backward and zero_grad would run while the optimizer holds only this "
+            "tower's slices); compute the loss and backward before calling step()"
+        )
+    own = getattr(optimizer, "_optimizer_step_pre_hooks", {}) or getattr(
+        optimizer, "_optimizer_step_post_hooks", {}
+    )
+    if own:
+        raise ValueError(
+            "shard_optimizer: the optimizer has step hooks of its own (register_step_pre_hook "
+            "or register_step_post_hook); they would run while it holds only this tower's "
+            "slices, before the other towers' parts are gathered. Do that work before or after "
+            "optimizer.step() instead"
+        )

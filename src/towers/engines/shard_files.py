@@ -9,6 +9,7 @@ so no rank holds the whole state at once.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -50,18 +51,8 @@ def part_state(sharding: ShardedState, optimizer: torch.optim.Optimizer) -> list
             saved = {
                 k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()
             }
-            on_device = [
-                k for k, v in state.items() if torch.is_tensor(v) and v.device == view.device
-            ]
-            records.append(
-                {
-                    "index": index[pid],
-                    "start": start,
-                    "stop": start + view.numel(),
-                    "state": saved,
-                    "on_device": on_device,
-                }
-            )
+            stop = start + view.numel()
+            records.append({"index": index[pid], "start": start, "stop": stop, "state": saved})
     return records
 
 
@@ -96,15 +87,29 @@ def load_parts(
         for record in parts(rank):
             for part in wanted.get(record["index"], []):
                 _take(pieces, part, record)
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     for part in sharding.mine():
         state = pieces.get((part.index, part.start))
         if state is not None:
-            device = sharding.params[part.index].device
+            p = sharding.params[part.index]
+            group = group_of[id(p)]
             optimizer.state[sharding.view(held, part)] = {
-                k: v.to(device) if k in state["on_device"] else v
-                for k, v in state.items()
-                if k != "on_device"
+                k: _placed(k, v, p, group) for k, v in state.items()
             }
+
+
+def _placed(key: str, value: Any, p: torch.Tensor, group: dict[str, Any]) -> Any:
+    """A saved state value as torch's ``load_state_dict`` places it for parameter ``p``: the
+    step count stays where it was saved (on the CPU) unless the step is fused or capturable;
+    everything else goes to ``p``'s device, floating-point values in ``p``'s dtype."""
+    if not torch.is_tensor(value):
+        return value
+    if key == "step":
+        fused = group.get("fused") or group.get("capturable")
+        return value.to(device=p.device) if fused else value
+    if value.is_floating_point() and p.is_floating_point():
+        return value.to(dtype=p.dtype, device=p.device)
+    return value.to(device=p.device)
 
 
 def _take(
@@ -114,7 +119,7 @@ def _take(
     lo, hi = max(part.start, record["start"]), min(part.stop, record["stop"])
     if lo >= hi:
         return
-    into = pieces.setdefault((part.index, part.start), {"on_device": set(record["on_device"])})
+    into = pieces.setdefault((part.index, part.start), {})
     for k, v in record["state"].items():
         if torch.is_tensor(v) and v.dim() > 0:  # one value per element
             if k not in into:
@@ -132,20 +137,35 @@ def save_parts(
     directory: str,
     step: int,
     comm: Comm,
+    payload: dict[str, Any],
 ) -> bool:
     """Every rank writes its part of a sharded optimizer's state for the checkpoint of ``step``
-    (a collective); whether the checkpoint itself may be written: every part was, or there is
-    nothing sharded. A rank that could not write warns on every rank."""
+    (a collective), and ``payload``, the checkpoint, records their sha256; whether it may be
+    written: every part was, where rank 0 sees it, or nothing is sharded. Otherwise every rank
+    removes its part, and rank 0 warns."""
     if sharding is None or optimizer is None:
         return True
-    written = True
-    try:
-        checkpoint.save_part(directory, step, comm.rank, part_state(sharding, optimizer))
-    except OSError:
-        written = False
-    if all(comm.all_gather_object(written)):
+    digest = None
+    with contextlib.suppress(OSError):  # a full disk: said below, on rank 0
+        digest = checkpoint.save_part(directory, step, comm.rank, part_state(sharding, optimizer))
+    digests = comm.all_gather_object(digest)
+    unseen = [
+        r
+        for r, d in enumerate(digests)
+        if d is None or not checkpoint.part_path(directory, step, r).exists()
+    ]
+    unseen = comm.broadcast_object(unseen if comm.rank == 0 else None)  # rank 0's view decides
+    if not unseen:
+        payload["optimizer"]["sharded"]["parts"] = digests
         return True
-    checkpoint.warn_unwritten(directory, step, "a rank could not write its part of the state")
+    checkpoint.part_path(directory, step, comm.rank).unlink(missing_ok=True)
+    if comm.rank == 0:
+        checkpoint.warn_unwritten(
+            directory,
+            step,
+            f"the parts of the optimizer's state of ranks {unseen} were not written where rank "
+            "0 sees them (across hosts, checkpoint into a directory every host shares)",
+        )
     return False
 
 
@@ -169,7 +189,10 @@ def restore_parts(
             f"the checkpoint in {directory} holds an optimizer state sharded over the towers: "
             "resume it with shard_optimizer=True"
         )
-    step = saved["step"]
+    step, digests = saved["step"], described["sharded"]["parts"]
     load_parts(
-        sharding, optimizer, described, lambda rank: checkpoint.read_part(directory, step, rank)
+        sharding,
+        optimizer,
+        described,
+        lambda rank: checkpoint.read_part(directory, step, rank, digests[rank]),
     )

@@ -258,7 +258,7 @@ class _Run:
     def _save(self, done: int) -> None:
         shared = self.state.checkpoint(self.driver)
         comm, where = self.group.comm, str(self.job.checkpoint)
-        if not save_parts(self.state.sharding, self.replica.optimizer, where, done, comm):
+        if not save_parts(self.state.sharding, self.replica.optimizer, where, done, comm, shared):
             return
         if comm.rank != 0:
             return
@@ -268,13 +268,16 @@ class _Run:
             "record": self.record.save(),
             **shared,
         }
-        checkpoint.save_or_warn(self.job.checkpoint, done, "sync", payload)  # type: ignore[arg-type]
+        if checkpoint.save_or_warn(where, done, "sync", payload) is None:
+            checkpoint.drop_parts(where, done)
 
     # -- the run ---------------------------------------------------------------------------
 
     def train(self) -> None:
         group, job = self.group, self.job
         try:
+            if self.state.sharding is not None:
+                self.state.sharding.start()
             self.driver.replicate(self.replica.model, breaks=self.breaks)
             self._restore_state()
             if not group.elastic:  # start the clock together (a replacement joins mid-run)
