@@ -218,7 +218,7 @@ class ShardedState:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         held = self._held.get(optimizer)
         if held is not None and held.swapped:  # the last step raised inside: whole again
             self._unswap(optimizer, held)
@@ -228,7 +228,7 @@ class ShardedState:
             return  # another model's optimizer
         if held is None:
             held = self._adopt(optimizer, groups, ours)
-        _refuse_step_extras(optimizer, args, kwargs)
+        _refuse_own_hooks(optimizer)
         if [[id(p) for p in g] for g in groups] != [[id(p) for p in g] for g in held.groups]:
             raise ValueError(
                 "shard_optimizer: the optimizer's parameters changed after its first step (a "
@@ -238,6 +238,25 @@ class ShardedState:
         for p in ours:
             if p.grad is not None and p.grad.is_sparse:  # the same on every rank
                 raise ValueError("shard_optimizer cannot shard a parameter with a sparse gradient")
+        self._swap(optimizer, held)
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
+        if closure is None:
+            return None
+
+        def whole_for_the_closure() -> Any:
+            """The closure (zero_grad, forward, backward) sees the whole parameters; the step
+            after it, the slices with the gradients it computed."""
+            self._unswap(optimizer, held)
+            loss = closure()
+            self._swap(optimizer, held)
+            return loss
+
+        if len(args) > 1:
+            return (args[0], whole_for_the_closure, *args[2:]), kwargs
+        return args, {**kwargs, "closure": whole_for_the_closure}
+
+    def _swap(self, optimizer: torch.optim.Optimizer, held: Held) -> None:
+        """Give ``optimizer``'s groups this rank's slices, with views of the gradients."""
         swapped = [self._slices(held, params) for params in held.groups]
         for group, params in zip(optimizer.param_groups, swapped, strict=True):
             group["params"] = params
@@ -369,16 +388,8 @@ def _refuse_state_dict(optimizer: torch.optim.Optimizer, *args: Any) -> None:
     )
 
 
-def _refuse_step_extras(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """What a sharded step cannot honour: a closure, and the optimizer's own step hooks."""
-    if (len(args) > 1 and args[1] is not None) or kwargs.get(
-        "closure"
-    ) is not None:  # args[0]: self
-        raise ValueError(
-            "shard_optimizer: optimizer.step(closure) is not available with sharded state (the "
-            "closure's backward and zero_grad would run while the optimizer holds only this "
-            "tower's slices); compute the loss and backward before calling step()"
-        )
+def _refuse_own_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer's own step hooks would see only the slices: refused, with the reason."""
     own = getattr(optimizer, "_optimizer_step_pre_hooks", {}) or getattr(
         optimizer, "_optimizer_step_post_hooks", {}
     )
