@@ -173,6 +173,10 @@ def _ddp_model(p: Problem, kind: str) -> tuple[Any, torch.optim.Optimizer]:
         ddp.register_comm_hook(state, post_localSGD_hook)
         averager = PeriodicModelAverager(period=int(arg), warmup_steps=10)
         opt = PostLocalSGDOptimizer(optim=opt, averager=averager)
+    elif name == "zero":  # torch's ZeroRedundancyOptimizer: each rank steps whole parameters
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=type(opt), **opt.defaults)
     elif name != "plain":
         raise ValueError(f"unknown DDP arm {kind!r}")
     return ddp, opt
