@@ -1,4 +1,5 @@
-"""One node of a two-host job: the own loop, then towers.train, over Gloo; rank 0 saves both.
+"""One node of a two-host job: the own loop (its optimizer state sharded), then towers.train,
+over Gloo; rank 0 saves both.
 
     torchrun --nnodes 2 --node-rank R --nproc-per-node 1 --master-addr A --master-port P \\
         two_hosts.py OUT
@@ -38,7 +39,9 @@ def main():
     # Both namespaces share /dev/shm, which a real second host would not: ask for Gloo, so that
     # the sums cross the network.
     ctx = towers.init(timeout=30, transport="gloo")
-    model = ctx.replicate(build_model())
+    # the optimizer's state sharded: each host steps its part, the parts are gathered over the
+    # link (the unsharded own loop across hosts: hier_hosts.py)
+    model = ctx.replicate(build_model(), shard_optimizer=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for shard in ctx.shards(global_batches()):
         ctx.step(mse(model, shard), opt)
