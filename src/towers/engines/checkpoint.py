@@ -213,6 +213,14 @@ def save_part(directory: str | os.PathLike[str], step: int, rank: int, part: Any
 def read_part(directory: str | os.PathLike[str], step: int, rank: int, sha256: str) -> Any:
     """One rank's part of the checkpoint of ``step``, checked against the ``sha256`` the
     checkpoint recorded, and mapped rather than read whole."""
+    _check_part(directory, step, rank, sha256)
+    return torch.load(
+        part_path(directory, step, rank), map_location="cpu", weights_only=True, mmap=True
+    )
+
+
+def _check_part(directory: str | os.PathLike[str], step: int, rank: int, sha256: str) -> None:
+    """``ValueError`` unless rank ``rank``'s part of the checkpoint of ``step`` is there, whole."""
     path = part_path(directory, step, rank)
     found = hashlib.sha256()
     try:
@@ -221,13 +229,12 @@ def read_part(directory: str | os.PathLike[str], step: int, rank: int, sha256: s
                 found.update(block)
     except FileNotFoundError:
         raise ValueError(
-            f"{path} is missing: the checkpoint of step {step} has a part from every tower, "
-            "written where that tower runs; across hosts, checkpoint into a directory every "
-            "host shares"
+            f"{path.name} is missing: the checkpoint of step {step} has a part from every "
+            "tower, written where that tower runs; across hosts, checkpoint into a directory "
+            "every host shares"
         ) from None
     if found.hexdigest() != sha256:
-        raise ValueError(f"{path} does not match the sha256 its checkpoint recorded: it is damaged")
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        raise ValueError(f"{path.name} does not match the sha256 its checkpoint recorded")
 
 
 def save_or_warn(
@@ -300,6 +307,10 @@ def _read(path: Path, step: int) -> dict[str, Any]:
             f"written by a newer towers (checkpoint version {state['version']}, this towers "
             f"reads up to {VERSION}); upgrade towers"
         )
+    optimizer = state.get("optimizer")
+    if isinstance(optimizer, dict) and "sharded" in optimizer:  # every tower's part, whole
+        for rank, sha256 in enumerate(optimizer["sharded"]["parts"]):
+            _check_part(path.parent, step, rank, sha256)
     return state
 
 
