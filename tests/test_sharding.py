@@ -332,6 +332,7 @@ def test_train_refuses_what_it_cannot_shard_before_any_worker_starts():
         ({"mode": "async"}, ValueError, "needs mode='sync'"),
         ({"mode": "diloco:2"}, ValueError, "needs mode='sync'"),
         ({"shard_optimizer": 1}, TypeError, "shard_optimizer must be True or False"),
+        ({"elastic": True}, ValueError, "not available in an elastic job yet"),
     ]
     for kwargs, kind, message in cases:
         args = {"shard_optimizer": True, **kwargs}
