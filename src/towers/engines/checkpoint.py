@@ -55,6 +55,7 @@ KINDS = {
     "loop": "an own training loop (Context.save_checkpoint)",
 }
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+_PART = re.compile(r"^step-(\d+)\.part-\d+\.pt$")
 _TMP = ".tmp-"
 KEEP = 2
 
@@ -163,8 +164,11 @@ def save(directory: str | os.PathLike[str], step: int, kind: str, payload: dict[
     for _, old in checkpoint_files(root)[KEEP:]:
         old.unlink(missing_ok=True)
     kept = {s for s, _ in checkpoint_files(root)}
-    for part in root.glob("step-*.part-*.pt"):  # the dropped ones', and any left unnamed
-        if int(part.name[5:13]) not in kept:
+    for part in root.glob("step-*.part-*.pt"):
+        # the dropped checkpoints' parts, and parts left without a checkpoint; not those of a
+        # later step, which other ranks may be writing for the next checkpoint
+        written = _PART.match(part.name)
+        if written and int(written.group(1)) < step and int(written.group(1)) not in kept:
             part.unlink(missing_ok=True)
     return final
 
