@@ -171,9 +171,16 @@ def _mistakes(ctx) -> dict[str, str]:
     frozen = ctx.replicate(frozen, shard_optimizer=True)
     before = _state(frozen)
     opt = torch.optim.AdamW(frozen.parameters(), lr=0.1)
+    assert not opt.state[frozen.fc2.weight]  # a read before the first step adds an empty entry
     ctx.step(mse(frozen, shard), opt)
     after = _state(frozen)
     errors["frozen"] = [k for k in before if not torch.equal(before[k], after[k])]
+    frozen.fc1.requires_grad_(True)  # unfrozen after replicate: neither averaged nor sharded
+    ctx.backward(mse(frozen, shard))
+    try:
+        opt.step()
+    except ValueError as exc:
+        errors["unfrozen"] = str(exc)
     for kwargs in ({"shard_optimizer": "yes"}, {"shard_optimizer": True, "mode": "diloco:2"}):
         try:
             ctx.replicate(Net(), **kwargs)
@@ -265,6 +272,7 @@ def test_sharded_optimizer_state_trains_as_one_process_and_resumes_on_fewer_towe
         assert "a parameter group added?" in errors["group"]
         assert "step hooks of its own" in errors["hooks"]
         assert errors["frozen"] == ["fc2.weight", "fc2.bias"]
+        assert "Unfreeze every parameter you will train before" in errors["unfrozen"]
         assert errors["{'shard_optimizer': 'yes'}"].startswith("TypeError: shard_optimizer must")
         assert "needs mode='sync'" in errors["{'shard_optimizer': True, 'mode': 'diloco:2'}"]
     # 3 towers wrote a checkpoint after 3 steps; 2 towers resumed it and ended where the

@@ -238,6 +238,12 @@ class ShardedState:
         for p in ours:
             if p.grad is not None and p.grad.is_sparse:  # the same on every rank
                 raise ValueError("shard_optimizer cannot shard a parameter with a sparse gradient")
+            if p.grad is not None and id(p) in self._frozen:
+                raise ValueError(
+                    "shard_optimizer: a parameter frozen (requires_grad=False) when the model "
+                    "was replicated has a gradient now; towers neither averages nor shards it. "
+                    "Unfreeze every parameter you will train before ctx.replicate"
+                )
         self._swap(optimizer, held)
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
         if closure is None:
@@ -280,7 +286,7 @@ class ShardedState:
                 "model's trainable parameters; build it on model.parameters() (or groups of "
                 "them) of the model ctx.replicate returned"
             )
-        if optimizer.state:
+        if any(optimizer.state.values()):  # a defaultdict: a read adds an empty entry
             raise ValueError(
                 "shard_optimizer: the optimizer already has state for whole parameters (it "
                 "stepped before the model was replicated, or loaded a state dict): build it "
