@@ -128,7 +128,7 @@ def _adamw_scaled_accumulated(ctx, directory: Path, stop: int | None) -> dict:
     return _state(model)
 
 
-def _mistakes(ctx) -> dict[str, str]:
+def _mistakes(ctx, directory: Path) -> dict[str, str]:
     errors = {}
     model = ctx.replicate(wide(), shard_optimizer=True)
     shard = next(iter(ctx.shards(batches())))
@@ -181,6 +181,15 @@ def _mistakes(ctx) -> dict[str, str]:
         opt.step()
     except ValueError as exc:
         errors["unfrozen"] = str(exc)
+    # ranks that find different newest checkpoints (a path local to each host) all stop
+    plain = ctx.replicate(Net())
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    ctx.step(mse(plain, shard), opt)
+    ctx.save_checkpoint(directory / "own" / str(ctx.rank), 1, plain, opt)  # rank 0 writes
+    try:
+        ctx.load_checkpoint(directory / "own" / str(ctx.rank), plain, opt)
+    except RuntimeError as exc:
+        errors["apart"] = str(exc)
     for kwargs in ({"shard_optimizer": "yes"}, {"shard_optimizer": True, "mode": "diloco:2"}):
         try:
             ctx.replicate(Net(), **kwargs)
@@ -199,7 +208,7 @@ def sharded_cases(directory: Path) -> dict:
             "adam balanced": _adam_clipped(ctx, balance=True),
             "adamw": _adamw_scaled_accumulated(ctx, directory / "whole", None),
             "first 3": _adamw_scaled_accumulated(ctx, directory / "resumed", 3),
-            "mistakes": _mistakes(ctx),
+            "mistakes": _mistakes(ctx, directory),
         }
     finally:
         ctx.close()
@@ -273,6 +282,8 @@ def test_sharded_optimizer_state_trains_as_one_process_and_resumes_on_fewer_towe
         assert "step hooks of its own" in errors["hooks"]
         assert errors["frozen"] == ["fc2.weight", "fc2.bias"]
         assert "Unfreeze every parameter you will train before" in errors["unfrozen"]
+        assert "different newest checkpoints" in errors["apart"]
+        assert "rank 0: 1, rank 1: none, rank 2: none" in errors["apart"]
         assert errors["{'shard_optimizer': 'yes'}"].startswith("TypeError: shard_optimizer must")
         assert "needs mode='sync'" in errors["{'shard_optimizer': True, 'mode': 'diloco:2'}"]
     # 3 towers wrote a checkpoint after 3 steps; 2 towers resumed it and ended where the

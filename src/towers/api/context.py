@@ -398,6 +398,7 @@ class Context:
 
         Raises:
             ValueError: if ``directory`` holds checkpoints of ``towers.train``, not of a loop.
+            RuntimeError: on every rank, if the ranks found different newest checkpoints.
         """
         replica = Replica(model, optimizer, schedule)
         loaded = load_loop(directory, self._steps.driver, self._state, replica)

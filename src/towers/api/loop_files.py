@@ -49,6 +49,18 @@ def load_loop(
     """Restore the newest loop checkpoint in ``directory`` into ``replica`` and the run's
     state; its ``(step, extra)``, or ``None`` if there is none."""
     saved = checkpoint.load_latest(directory, "loop")
+    group = driver.group
+    if not group.elastic and group.comm.world_size > 1:  # a replacement takes a peer's state
+        found = group.comm.all_gather_object(None if saved is None else saved["step"])
+        if len(set(found)) > 1:
+            seen = ", ".join(
+                f"rank {r}: {s if s is not None else 'none'}" for r, s in enumerate(found)
+            )
+            raise RuntimeError(
+                f"the ranks found different newest checkpoints in {directory} ({seen}); every "
+                "rank must resume from the same one: across hosts, checkpoint into a directory "
+                "every host shares, with the same path on every rank"
+            )
     if saved is None:
         return None
     state.restore(saved, driver, replica)
