@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engines import checkpoint
 from ..engines.replica import Replica
-from ..engines.shard_files import restore_parts, save_parts
+from ..engines.shard_files import restore_parts, save_checkpoint
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.state import RunState
 
@@ -32,15 +32,11 @@ def save_loop(
     extra: dict[str, Any] | None,
 ) -> None:
     """Write the loop's state of ``step`` (a collective: every rank calls it; rank 0 writes)."""
-    shared = state.checkpoint(driver, replica)
-    comm = driver.group.comm
-    where = os.fspath(directory)
-    if not save_parts(state.sharding, replica.optimizer, where, step, comm, shared):
-        return
-    if comm.rank != 0:
-        return
-    if checkpoint.save_or_warn(directory, step, "loop", {**shared, "extra": extra or {}}) is None:
-        checkpoint.drop_parts(directory, step)
+    payload = {**state.checkpoint(driver, replica), "extra": extra or {}}
+    save_checkpoint(
+        os.fspath(directory), step, "loop", payload, driver.group.comm, state.sharding,
+        replica.optimizer,
+    )  # fmt: skip
 
 
 def load_loop(

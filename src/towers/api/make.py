@@ -110,10 +110,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     if not launched and (workers > 1 or mode.servers or args["max_restarts"]):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
     check_elastic(args["elastic"], mode, transport, launch)
-    if not isinstance(args["shard_optimizer"], bool):
-        raise TypeError(f"shard_optimizer must be True or False, got {args['shard_optimizer']!r}")
-    if args["shard_optimizer"]:
-        refuse_sharding(str(mode), args["elastic"])
+    shard_optimizer = refuse_sharding(args["shard_optimizer"], str(mode), args["elastic"])
     least = check_min_workers(args["min_workers"], workers, args["elastic"])
     placement = train_placement(args["device"], mode, workers, launch, transport, args["elastic"])
     transform = reduction(args["transform"], args["compress"], model, mode)
@@ -142,7 +139,7 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
         device=placement.kind,
         transport=transport,
         balance=balance,
-        shard_optimizer=args["shard_optimizer"],
+        shard_optimizer=shard_optimizer,
         **{k: args[k] for k in _AS_GIVEN},
     )
     here = launched or (workers + mode.servers == 1 and not args["max_restarts"])

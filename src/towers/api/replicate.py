@@ -76,9 +76,6 @@ def sharding_for(
 ) -> ShardedState | None:
     """``shard_optimizer=True``: the sharding of the optimizer's state over the ranks, checked
     (the same on every rank, before any collective)."""
-    if not isinstance(shard_optimizer, bool):
-        raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
-    if not shard_optimizer:
+    if not refuse_sharding(shard_optimizer, mode, group.elastic):
         return None
-    refuse_sharding(mode, group.elastic)
     return ShardedState(model, lambda: group.comm)

@@ -214,10 +214,9 @@ def save_part(directory: str | os.PathLike[str], step: int, rank: int, part: Any
     return hashlib.sha256(buffer.getbuffer()).hexdigest()
 
 
-def read_part(directory: str | os.PathLike[str], step: int, rank: int, sha256: str) -> Any:
-    """One rank's part of the checkpoint of ``step``, checked against the ``sha256`` the
-    checkpoint recorded, and mapped rather than read whole."""
-    _check_part(directory, step, rank, sha256)
+def read_part(directory: str | os.PathLike[str], step: int, rank: int) -> Any:
+    """One rank's part of the checkpoint of ``step``, mapped rather than read whole (reading
+    the checkpoint, :func:`load_latest`, checked every part against its recorded sha256)."""
     return torch.load(
         part_path(directory, step, rank), map_location="cpu", weights_only=True, mmap=True
     )

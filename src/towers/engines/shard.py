@@ -95,8 +95,13 @@ def layout(sizes: list[int], world: int) -> list[list[Part]]:
     return owned
 
 
-def refuse_sharding(mode: str, elastic: bool) -> None:
-    """The combinations ``shard_optimizer=True`` does not take yet, each with the reason."""
+def refuse_sharding(shard_optimizer: Any, mode: str, elastic: bool) -> bool:
+    """``shard_optimizer`` checked (``train``'s and ``ctx.replicate``'s): whether to shard;
+    the combinations it does not take yet are refused, each with the reason."""
+    if not isinstance(shard_optimizer, bool):
+        raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
+    if not shard_optimizer:
+        return False
     if mode != "sync":
         raise ValueError(
             f"shard_optimizer=True needs mode='sync' (got {mode!r}): in DiLoCo each tower "
@@ -109,6 +114,7 @@ def refuse_sharding(mode: str, elastic: bool) -> None:
             "take its part of the optimizer's state with it. Save checkpoints "
             "(ctx.save_checkpoint) and restart the job instead"
         )
+    return True
 
 
 def refuse_unshardable(optimizer: torch.optim.Optimizer) -> None:
@@ -140,7 +146,7 @@ class Held:
 
     def __init__(self, params: list[list[torch.Tensor]]):
         self.groups = params  # the whole parameters of each group, as the user built them
-        self.slices: dict[tuple[int, int], torch.Tensor] = {}  # (param id, part start) -> view
+        self.slices: dict[Part, torch.Tensor] = {}  # this rank's parts -> their views
         self.swapped = False
 
 
@@ -162,6 +168,9 @@ class ShardedState:
         current = comm()
         self.rank, self.world = current.rank, current.world_size
         self.parts = layout([p.numel() for p in self.params], self.world)
+        self._owned: dict[int, list[Part]] = {}  # this rank's parts of each parameter
+        for part in self.parts[self.rank]:
+            self._owned.setdefault(part.index, []).append(part)
         self._held: weakref.WeakKeyDictionary[torch.optim.Optimizer, Held] = (
             weakref.WeakKeyDictionary()
         )
@@ -187,6 +196,10 @@ class ShardedState:
     def mine(self) -> list[Part]:
         return self.parts[self.rank]
 
+    def owned(self, index: int) -> list[Part]:
+        """This rank's parts of parameter ``index``."""
+        return self._owned.get(index, [])
+
     def index(self, p: torch.Tensor) -> int | None:
         """``p``'s place among the model's trainable parameters (``None``: not one of them)."""
         return self._index.get(id(p))
@@ -209,11 +222,10 @@ class ShardedState:
 
     def view(self, held: Held, part: Part) -> torch.Tensor:
         """The slice of ``part`` that ``held``'s optimizer keeps state for (made once)."""
-        p = self.params[part.index]
-        key = (id(p), part.start)
-        view = held.slices.get(key)
+        view = held.slices.get(part)
         if view is None:
-            view = held.slices[key] = p.detach().view(-1)[part.start : part.stop]
+            flat = self.params[part.index].detach().view(-1)
+            view = held.slices[part] = flat[part.start : part.stop]
         return view
 
     # -- the step -------------------------------------------------------------------------------
@@ -300,15 +312,12 @@ class ShardedState:
 
     def _slices(self, held: Held, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's slices of ``params``, each with the matching view of the gradient."""
-        owned: dict[int, list[Part]] = {}
-        for part in self.mine():
-            owned.setdefault(part.index, []).append(part)
         out = []
         for p in params:
             if id(p) in self._frozen:
                 out.append(p)
                 continue
-            for part in owned.get(self._index[id(p)], []):
+            for part in self.owned(self._index[id(p)]):
                 view = self.view(held, part)
                 grad = p.grad
                 view.grad = None if grad is None else _flat(grad)[part.start : part.stop]

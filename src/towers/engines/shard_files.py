@@ -19,7 +19,7 @@ from ..comm.base import Comm
 from . import checkpoint
 from .shard import Part, ShardedState
 
-__all__ = ["describe", "restore_parts", "save_parts"]
+__all__ = ["describe", "restore_parts", "save_checkpoint"]
 
 
 def describe(sharding: ShardedState, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -43,16 +43,16 @@ def part_state(sharding: ShardedState, optimizer: torch.optim.Optimizer) -> list
     held = sharding.held(optimizer)
     if held is None:
         return []
-    index = {id(p): i for i, p in enumerate(sharding.params)}
     records = []
-    for (pid, start), view in held.slices.items():
+    for part, view in held.slices.items():
         state = optimizer.state.get(view)
         if state:
             saved = {
                 k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()
             }
-            stop = start + view.numel()
-            records.append({"index": index[pid], "start": start, "stop": stop, "state": saved})
+            records.append(
+                {"index": part.index, "start": part.start, "stop": part.stop, "state": saved}
+            )
     return records
 
 
@@ -79,17 +79,14 @@ def load_parts(
     for group, kept in zip(optimizer.param_groups, saved["groups"], strict=True):
         group.update({k: v for k, v in kept.items() if k != "params"})
     held = sharding.hold(optimizer)
-    wanted: dict[int, list[Part]] = {}
-    for part in sharding.mine():
-        wanted.setdefault(part.index, []).append(part)
-    pieces: dict[tuple[int, int], dict[str, Any]] = {}
+    pieces: dict[Part, dict[str, Any]] = {}
     for rank in range(saved["world"]):
         for record in parts(rank):
-            for part in wanted.get(record["index"], []):
+            for part in sharding.owned(record["index"]):
                 _take(pieces, part, record)
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     for part in sharding.mine():
-        state = pieces.get((part.index, part.start))
+        state = pieces.get(part)
         if state is not None:
             p = sharding.params[part.index]
             group = group_of[id(p)]
@@ -112,14 +109,12 @@ def _placed(key: str, value: Any, p: torch.Tensor, group: dict[str, Any]) -> Any
     return value.to(device=p.device)
 
 
-def _take(
-    pieces: dict[tuple[int, int], dict[str, Any]], part: Part, record: dict[str, Any]
-) -> None:
+def _take(pieces: dict[Part, dict[str, Any]], part: Part, record: dict[str, Any]) -> None:
     """Copy what ``record`` (a slice of the saving run) holds of ``part`` into its state."""
     lo, hi = max(part.start, record["start"]), min(part.stop, record["stop"])
     if lo >= hi:
         return
-    into = pieces.setdefault((part.index, part.start), {})
+    into = pieces.setdefault(part, {})
     for k, v in record["state"].items():
         if torch.is_tensor(v) and v.dim() > 0:  # one value per element
             if k not in into:
@@ -131,7 +126,25 @@ def _take(
             into[k] = v.clone() if torch.is_tensor(v) else v
 
 
-def save_parts(
+def save_checkpoint(
+    directory: str,
+    step: int,
+    kind: str,
+    payload: dict[str, Any],
+    comm: Comm,
+    sharding: ShardedState | None,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """Write ``kind``'s checkpoint of ``step`` (a collective: every rank calls it with the same
+    ``payload`` layout): each rank's part of a sharded optimizer state first, then rank 0 the
+    checkpoint itself, which names them; a write that fails warns, and leaves no part behind."""
+    if not _save_parts(sharding, optimizer, directory, step, comm, payload):
+        return
+    if comm.rank == 0 and checkpoint.save_or_warn(directory, step, kind, payload) is None:
+        checkpoint.drop_parts(directory, step)
+
+
+def _save_parts(
     sharding: ShardedState | None,
     optimizer: torch.optim.Optimizer | None,
     directory: str,
@@ -189,10 +202,7 @@ def restore_parts(
             f"the checkpoint in {directory} holds an optimizer state sharded over the towers: "
             "resume it with shard_optimizer=True"
         )
-    step, digests = saved["step"], described["sharded"]["parts"]
+    step = saved["step"]
     load_parts(
-        sharding,
-        optimizer,
-        described,
-        lambda rank: checkpoint.read_part(directory, step, rank, digests[rank]),
+        sharding, optimizer, described, lambda rank: checkpoint.read_part(directory, step, rank)
     )

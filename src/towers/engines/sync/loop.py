@@ -23,14 +23,13 @@ from ...core.data import BatchOrder, is_dataset, num_samples
 from ...core.launch import read_launch
 from ...core.split import cut
 from ...core.step import StepResult
-from .. import checkpoint
 from ..evaluate import combine, due, evaluate
 from ..fetch import Fetcher, Planned
 from ..job import EngineResult, Job
 from ..replica import Replica, backward_shard, cpu_state
 from ..report import Reporter
 from ..shard import ShardedState
-from ..shard_files import restore_parts, save_parts
+from ..shard_files import restore_parts, save_checkpoint
 from ..syncbn import convert_batchnorm
 from .driver import SyncDriver
 from .group import ElasticGroup, Group, PlainGroup
@@ -256,20 +255,16 @@ class _Run:
         )
 
     def _save(self, done: int) -> None:
-        shared = self.state.checkpoint(self.driver)
-        comm, where = self.group.comm, str(self.job.checkpoint)
-        if not save_parts(self.state.sharding, self.replica.optimizer, where, done, comm, shared):
-            return
-        if comm.rank != 0:
-            return
         payload = {
             "mode": str(self.job.mode),
             "data": self.order.state_dict(),
             "record": self.record.save(),
-            **shared,
+            **self.state.checkpoint(self.driver),
         }
-        if checkpoint.save_or_warn(where, done, "sync", payload) is None:
-            checkpoint.drop_parts(where, done)
+        save_checkpoint(
+            str(self.job.checkpoint), done, "sync", payload, self.group.comm,
+            self.state.sharding, self.replica.optimizer,
+        )  # fmt: skip
 
     # -- the run ---------------------------------------------------------------------------
 
