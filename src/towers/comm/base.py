@@ -8,6 +8,7 @@ caller uses, so an engine never probes a transport with ``getattr`` or ``isinsta
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -38,6 +39,22 @@ __all__ = [
 # How long a rank waits for the others (rendezvous, or any collective) before the job fails:
 # a dead or stuck worker ends the job within this bound instead of hanging it.
 DEFAULT_TIMEOUT = 60.0
+
+# The newest works of every process group of this process (see _keep).
+_KEPT: collections.deque[Any] = collections.deque(maxlen=16)
+
+
+def _keep(work: Any) -> None:
+    """Reference ``work`` from here until 16 newer works replace it, or the interpreter ends.
+
+    A Gloo or NCCL thread lets go of a work a moment after the work completes. If Python has
+    dropped one of its tensors by then, that thread holds the tensor's last reference and takes
+    the GIL to free it; when that falls in the last milliseconds before the interpreter shuts
+    down (a job's final collective, then the script's end), Python ends the thread inside a C++
+    destructor and the process aborts with "terminate called without an active exception"
+    (pytorch#38228). Kept here, the work is freed by Python instead.
+    """
+    _KEPT.append(work)
 
 
 class Work(Protocol):
@@ -225,6 +242,7 @@ class DistComm:
 
     def _work(self, work: Any) -> Work:
         """``work`` whose failure names the stuck ranks, or, elastic, can be interrupted."""
+        _keep(work)
         if self.interrupt is None:
             return _NamingWork(work, self)
         return Interruptible(work, self.interrupt, self.sliced)
