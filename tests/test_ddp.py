@@ -37,12 +37,17 @@ TORCH_IMPORTS = (
 )
 
 
-def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ddp_dropin", EXAMPLE)
+def load_script(path: Path) -> ModuleType:
+    """A script's module, its ``main`` not run."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def example() -> ModuleType:
+    return load_script(EXAMPLE)
 
 
 def dropin_reference(world: int, samples: int, batch: int = 16, epochs: int = 3) -> Reference:
@@ -118,10 +123,7 @@ def test_ranks_that_run_out_first_join_and_end_with_the_others_state(tmp_path: P
     batches put together, and with the same optimizer state."""
     script = ROOT / "tests" / "scripts" / "ddp_join.py"
     launch(tmp_path, script, 2, "towers", str(tmp_path))
-    spec = importlib.util.spec_from_file_location("ddp_join", script)
-    assert spec is not None and spec.loader is not None
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
+    job = load_script(script)
     per_rank = [job.batches(0), job.batches(1)]
 
     def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
@@ -144,6 +146,45 @@ def test_ranks_that_run_out_first_join_and_end_with_the_others_state(tmp_path: P
     assert momentum[0].keys() == momentum[1].keys() and momentum[0]
     for key in momentum[0]:
         assert torch.equal(momentum[0][key]["momentum_buffer"], momentum[1][key]["momentum_buffer"])
+
+
+@pytest.mark.timeout(120)
+def test_balanced_batches_give_the_slower_rank_less_and_equal_one_process(tmp_path: Path):
+    """tests/scripts/ddp_balanced.py under towers run: rank 1's forward does more work, and
+    towers' DistributedBatchSampler moves samples of each global batch to rank 0. Each step's
+    batches together are the global batch (every sample once, in the epoch's order), and both
+    ranks end with the parameters of one process on the global batches."""
+    script = ROOT / "tests" / "scripts" / "ddp_balanced.py"
+    launch(tmp_path, script, 2, "towers", str(tmp_path))
+    job = load_script(script)
+    saved = [torch.load(tmp_path / f"rank-{r}.pt") for r in range(2)]
+    dataset, world, per_rank = job.data(), 2, job.BATCH
+    global_batches = []
+    for epoch in range(job.EPOCHS):
+        order = torch.randperm(job.SAMPLES, generator=torch.Generator().manual_seed(7 + epoch))
+        global_batches += list(order.split(per_rank * world))
+    assert saved[0]["len"] == saved[1]["len"] == len(global_batches) // job.EPOCHS == 31
+    steps = list(zip(saved[0]["batches"], saved[1]["batches"], strict=True))
+    assert len(steps) == len(global_batches)
+    for (mine, theirs), whole in zip(steps, global_batches):
+        assert mine + theirs == whole.tolist() and mine and theirs
+    assert [len(a) for a, _ in steps[:2]] == [48, 48]  # even until both ranks are measured
+    late = [len(a) / (len(a) + len(b)) for a, b in steps[20:31]]
+    assert sum(late) / len(late) > 0.6, [(len(a), len(b)) for a, b in steps]
+
+    def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
+        model = job.make_model().to(dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for whole in global_batches:
+            x, y, _ = (t.to(dtype) if t.is_floating_point() else t for t in dataset[whole])
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        return model, []
+
+    reference = Reference.run(loop)
+    for rank, state in enumerate(saved):
+        reference.check(state["model"], f"rank {rank}")
 
 
 def test_the_sampler_deals_every_sample_once_in_torch_s_order():
@@ -294,3 +335,22 @@ def test_diloco_under_the_dropin_equals_diloco_in_one_process(tmp_path: Path):
     outer, _, _ = derived(make_net(), DATA, batch_size=10, steps=14, every=4, workers=2,
                           inner=ADAM, seed=4)  # fmt: skip
     outer.check(torch.load(tmp_path / "flag.pt"), "towers run --mode diloco:4 on 2 ranks")
+
+
+def test_the_batch_sampler_in_a_job_of_one_deals_the_order_in_batches(job_of_one):
+    """One rank takes each global batch whole: the epoch's permutation in batch_size chunks;
+    the last, smaller one kept, or left out with drop_last."""
+    data = list(range(23))
+    order = torch.randperm(23, generator=torch.Generator().manual_seed(4 + 1)).tolist()
+    sampler = dist.DistributedBatchSampler(data, 5, seed=4)
+    sampler.set_epoch(1)
+    assert list(sampler) == [order[k : k + 5] for k in range(0, 23, 5)] and len(sampler) == 5
+    kept = dist.DistributedBatchSampler(data, 5, shuffle=False, drop_last=True)
+    assert list(kept) == [list(range(k, k + 5)) for k in range(0, 20, 5)] and len(kept) == 4
+
+
+def test_the_batch_sampler_s_bad_arguments_are_named(job_of_one):
+    with pytest.raises(ValueError, match=r"batch_size must be a positive int, got 0"):
+        dist.DistributedBatchSampler(list(range(4)), 0)
+    with pytest.raises(TypeError, match=r"balance must be True, False or None, got 'yes'"):
+        dist.DistributedBatchSampler(list(range(4)), 2, balance="yes")  # type: ignore[arg-type]

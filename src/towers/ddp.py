@@ -12,7 +12,8 @@ Each rank brings its own batch, as under DDP; towers weights each rank by its sa
 uneven last batch, ranks with batches of different sizes and ranks that run out at different
 steps (``model.join()``) stay exact against one process on the batches put together, and
 towers' options (``compress=``, shared-memory sums on one host, two-level sums across hosts,
-the job's secret) apply. See docs/porting.md.
+the job's secret) apply. A loader given ``DistributedBatchSampler`` as its ``batch_sampler``
+cuts each global batch in shares that follow the ranks' speeds. See docs/porting.md.
 """
 
 import torch.distributed as _dist
@@ -26,9 +27,10 @@ from .api.ddp import (
     init_process_group,
     is_initialized,
 )
-from .api.sampler import DistributedSampler
+from .api.sampler import DistributedBatchSampler, DistributedSampler
 
 __all__ = [
+    "DistributedBatchSampler",
     "DistributedDataParallel",
     "DistributedSampler",
     "ReduceOp",

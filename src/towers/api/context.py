@@ -156,7 +156,7 @@ class Context:
             self._state.sharding.remove()
         self._state.replica = Replica(model)
         self._state.plan = ready.plan
-        self._state.balanced(ready.balance)
+        self._state.balanced(ready.balance, ready.because)
         driver = SyncDriver(
             self._group,
             ready.transform,

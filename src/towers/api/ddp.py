@@ -33,6 +33,7 @@ from ..core.devices import moved
 from ..core.launch import read_launch
 from ..core.modes import Engine, parse_mode
 from ..engines.job import OptimizerFactory
+from ..engines.sync.state import RunState
 from ..engines.transforms import GradientTransform
 from .context import Context
 from .join import join
@@ -50,11 +51,18 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "join_all",
+    "wrapped_state",
 ]
 
 _job: Context | None = None  # the job init_process_group joined
 _models: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 _batch: int | None = None  # the samples of the first training forward: the loader's batch size
+
+
+def wrapped_state() -> RunState | None:
+    """The run state of the job's wrapped model (whose split a batch sampler follows), if one
+    is wrapped."""
+    return next((m._steps.state for m in _models), None)
 
 
 def batch_size_seen() -> int | None:

@@ -28,13 +28,20 @@ __all__ = ["Prepared", "prepare", "sharding_for"]
 
 
 class Prepared:
-    """The step plan, the gradient transform and whether the split is balanced."""
+    """The step plan, the gradient transform and whether the split is balanced (``because``:
+    why an uneven split would change the result, if it would)."""
 
     def __init__(
-        self, plan: StepPlan, transform: GradientTransform | None, balance: bool, mode: str
+        self,
+        plan: StepPlan,
+        transform: GradientTransform | None,
+        balance: bool,
+        mode: str,
+        because: str | None = None,
     ):
         self.plan, self.transform, self.balance = plan, transform, balance
         self.mode = mode  # as the job names it
+        self.because = because
 
 
 def prepare(
@@ -68,7 +75,7 @@ def prepare(
         convert_batchnorm(model, group)
     elif world > 1 and not averages_buffers(parsed):
         warn_unsynced_buffers(model, "ctx.replicate(model, sync_batchnorm=True)")
-    return Prepared(plan_for(parsed, outer_optimizer), reduced, balanced, str(parsed))
+    return Prepared(plan_for(parsed, outer_optimizer), reduced, balanced, str(parsed), because)
 
 
 def sharding_for(

@@ -1,4 +1,5 @@
-"""``towers.ddp.DistributedSampler``: torch's, without the padding that makes DDP inexact.
+"""``towers.ddp.DistributedSampler``: torch's, without the padding that makes DDP inexact;
+``towers.ddp.DistributedBatchSampler``: each step's global batch in the ranks' balanced shares.
 
 torch's sampler pads the dataset with repeated samples until it divides by the ranks, so an
 epoch trains some samples twice. This one deals the same shuffled order (the same
@@ -17,9 +18,11 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, distributed
 
-from .ddp import batch_size_seen, context, join_all
+from ..core.balance import split_sizes
+from .balance import choose_balance
+from .ddp import batch_size_seen, context, join_all, wrapped_state
 
-__all__ = ["DistributedSampler"]
+__all__ = ["DistributedBatchSampler", "DistributedSampler"]
 
 
 class DistributedSampler(distributed.DistributedSampler):
@@ -103,3 +106,92 @@ class DistributedSampler(distributed.DistributedSampler):
         empty steps beside the others' (on every rank, as torch's ``set_epoch`` is called)."""
         join_all()
         super().set_epoch(epoch)
+
+
+class DistributedBatchSampler:
+    """This rank's batches, cut from each global batch in proportion to the ranks' speeds:
+    ``DataLoader(dataset, batch_sampler=DistributedBatchSampler(dataset, batch_size))`` in
+    place of a ``DistributedSampler`` and ``batch_size=``.
+
+    Each step's global batch is ``batch_size * world`` consecutive samples of the epoch's order
+    (the same ``seed + epoch`` permutation as :class:`DistributedSampler`'s). Where the split
+    is balanced, each rank takes a share of it in proportion to its speed, measured from its
+    forwards to the end of their backward, so a slow rank (a slower device, a busy machine)
+    no longer holds the others up. The wrapped model weights each rank by its samples, so the
+    run stays that of one process on the global batches, whatever the shares.
+
+    ``balance``: ``None`` balances wherever that keeps the result exact (not with BatchNorm,
+    compression, DiLoCo or GPU workers; one line at the first epoch says why), ``True`` even
+    then, ``False`` never (each rank takes ``batch_size`` samples a step). The shares change
+    only between steps, the same on every rank, and the loader may prefetch: each batch is cut
+    when the loader draws it. With gradient accumulation a step's micro-batches must be cut in
+    the same shares, which holds where the loader draws each batch as it is used
+    (``num_workers=0``), or prefetches a whole number of steps' micro-batches.
+
+    The last global batch of an epoch may be smaller: every rank gets a part of it (at least
+    one sample), or it is left out where it holds fewer samples than there are ranks, or with
+    ``drop_last=True``. Every rank therefore has the same number of batches.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        balance: bool | None = None,
+    ):
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if balance is not None and not isinstance(balance, bool):
+            raise TypeError(f"balance must be True, False or None, got {balance!r}")
+        job = context()
+        self.dataset, self.batch_size = dataset, batch_size
+        self.shuffle, self.seed, self.drop_last, self.balance = shuffle, seed, drop_last, balance
+        self.rank, self.num_replicas = job.rank, job.world_size
+        self.epoch = 0
+        self._balanced: bool | None = None  # decided at the first epoch, the model wrapped
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose order the next iteration deals (as ``DistributedSampler``'s)."""
+        self.epoch = epoch
+
+    def _order(self) -> list[int]:
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def _sizes(self, samples: int) -> list[int]:
+        """Every rank's part of a global batch of ``samples``: balanced, or even."""
+        state = wrapped_state()
+        world = self.num_replicas
+        if state is not None and self._balanced is None and world > 1:
+            self._balanced = choose_balance(
+                self.balance, None, world, state.unbalanced, "DistributedBatchSampler", self.rank
+            )
+            if self._balanced and state.balancer is None:
+                state.balanced(True, state.unbalanced)
+        if state is not None and self._balanced:
+            return state.split(samples, world)
+        return split_sizes(samples, [1.0] * world)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order, world = self._order(), self.num_replicas
+        step = self.batch_size * world
+        for start in range(0, len(order), step):
+            samples = min(step, len(order) - start)
+            if samples < step and (self.drop_last or samples < world):
+                return
+            sizes = self._sizes(samples)
+            first = start + sum(sizes[: self.rank])
+            yield order[first : first + sizes[self.rank]]
+
+    def __len__(self) -> int:
+        n, world = len(self.dataset), self.num_replicas  # type: ignore[arg-type]
+        full, tail = divmod(n, self.batch_size * world)
+        return full + (1 if tail and not self.drop_last and tail >= world else 0)

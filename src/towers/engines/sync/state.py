@@ -82,6 +82,7 @@ class RunState:
         self.plan, self.journal = plan, journal
         # each global batch split in proportion to the towers' speeds (core/balance.py)
         self.balancer: Balancer | None = Balancer(1) if balance else None
+        self.unbalanced: str | None = None  # why an uneven split would change the result
         self.replays, self._regrouped = replays, regrouped
         self.replica: Replica | None = None  # the model once it is known
         self.steps = 0  # global batches completed
@@ -176,9 +177,11 @@ class RunState:
 
     # -- the split of each global batch ----------------------------------------------------
 
-    def balanced(self, on: bool) -> None:
-        """Balance the split from now on (the own loop says so at ``ctx.replicate``)."""
+    def balanced(self, on: bool, because: str | None = None) -> None:
+        """Balance the split from now on (the own loop says so at ``ctx.replicate``);
+        ``because``: why an uneven split would change this run's result, if it would."""
         self.balancer = Balancer(1) if on else None
+        self.unbalanced = because
 
     def split(self, batch: int, towers: int) -> list[int]:
         """The shard sizes of the next global batch of ``batch`` samples over ``towers``:
