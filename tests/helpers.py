@@ -214,3 +214,35 @@ def unused_port() -> int:
             except OSError:
                 continue
         return port
+
+
+def check_balanced_batches(
+    saved: list[dict], global_batches: list[torch.Tensor], dataset: TensorDataset, make_model,
+    lr: float,
+) -> None:  # fmt: skip
+    """Two ranks' batches under towers' balanced batch sampler, rank 1 the slower (each saved
+    ``{"batches": [indices of each batch], "model": state dict}``): each step's batches
+    together are its global batch (rank 0's part first), rank 0's share grew once both ranks
+    were measured, and both ranks end with the parameters of one process taking SGD steps of
+    ``lr`` on the global batches (mean squared error)."""
+    steps = list(zip(saved[0]["batches"], saved[1]["batches"], strict=True))
+    assert len(steps) == len(global_batches)
+    for (mine, theirs), whole in zip(steps, global_batches):
+        assert mine + theirs == whole.tolist() and mine and theirs
+    assert [len(a) for a, _ in steps[:2]] == [len(b) for _, b in steps[:2]]  # even at first
+    late = [len(a) / (len(a) + len(b)) for a, b in steps[20:31]]
+    assert sum(late) / len(late) > 0.6, [(len(a), len(b)) for a, b in steps]
+
+    def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
+        model = make_model().to(dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        for whole in global_batches:
+            x, y = (t.to(dtype) for t in dataset[whole][:2])
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        return model, []
+
+    reference = Reference.run(loop)
+    for rank, state in enumerate(saved):
+        reference.check(state["model"], f"rank {rank}")

@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 from exact import Reference, states
-from helpers import unused_port
+from helpers import check_balanced_batches, unused_port
 from test_examples import run
 from torch import nn
 
@@ -164,27 +164,7 @@ def test_balanced_batches_give_the_slower_rank_less_and_equal_one_process(tmp_pa
         order = torch.randperm(job.SAMPLES, generator=torch.Generator().manual_seed(7 + epoch))
         global_batches += list(order.split(per_rank * world))
     assert saved[0]["len"] == saved[1]["len"] == len(global_batches) // job.EPOCHS == 31
-    steps = list(zip(saved[0]["batches"], saved[1]["batches"], strict=True))
-    assert len(steps) == len(global_batches)
-    for (mine, theirs), whole in zip(steps, global_batches):
-        assert mine + theirs == whole.tolist() and mine and theirs
-    assert [len(a) for a, _ in steps[:2]] == [48, 48]  # even until both ranks are measured
-    late = [len(a) / (len(a) + len(b)) for a, b in steps[20:31]]
-    assert sum(late) / len(late) > 0.6, [(len(a), len(b)) for a, b in steps]
-
-    def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
-        model = job.make_model().to(dtype)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        for whole in global_batches:
-            x, y, _ = (t.to(dtype) if t.is_floating_point() else t for t in dataset[whole])
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
-        return model, []
-
-    reference = Reference.run(loop)
-    for rank, state in enumerate(saved):
-        reference.check(state["model"], f"rank {rank}")
+    check_balanced_batches(saved, global_batches, dataset, job.make_model, lr=0.05)
 
 
 def test_the_sampler_deals_every_sample_once_in_torch_s_order():

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from exact import Reference
+from helpers import check_balanced_batches
 from test_examples import run
 from torch import nn
 
@@ -109,6 +110,32 @@ def test_the_trainer_on_2_devices_trains_validates_tests_and_resumes_as_one_devi
     accumulated.check(saved["accumulated"], "accumulate_grad_batches=2")
     reference.check(saved["manual"], "manual optimization")
     diloco_reference(x, y).check(saved["diloco"], "TowersStrategy(mode='diloco:4')")
+
+
+@pytest.mark.timeout(150)
+def test_a_balanced_trainer_gives_the_slower_rank_less_and_equals_one_device(tmp_path: Path):
+    """tests/scripts/lightning_balanced.py: TowersStrategy(balance=None) on 2 devices, rank 1's
+    training step doing more work. The training loader gets towers' batch sampler: rank 1's
+    share of each global batch shrinks, each step's batches together are the global batch of
+    Lightning's seed-0 order, and both ranks end with one device's parameters."""
+    script = SCRIPT.parent / "lightning_balanced.py"
+    result = run([sys.executable, str(script), str(tmp_path)], tmp_path, 140)
+    assert result.returncode == 0, result.stdout
+    spec = importlib.util.spec_from_file_location("lightning_balanced", script)
+    assert spec is not None and spec.loader is not None
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    saved = [torch.load(tmp_path / f"rank-{r}.pt") for r in range(2)]
+    order = torch.randperm(job.SAMPLES, generator=torch.Generator().manual_seed(0))
+    global_batches = list(order.split(2 * job.BATCH))
+    check_balanced_batches(saved, global_batches, job.dataset(), job.make_net, lr=job.LR)
+
+
+def test_the_strategy_s_balance_must_be_a_bool_or_none():
+    from towers.lightning import TowersStrategy
+
+    with pytest.raises(TypeError, match=r"balance must be True, False or None, got 1"):
+        TowersStrategy(balance=1)  # type: ignore[arg-type]
 
 
 def diloco_reference(x: torch.Tensor, y: torch.Tensor) -> Reference:

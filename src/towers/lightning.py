@@ -14,7 +14,8 @@ Example:
     ... # doctest: +SKIP
 
 ``TowersStrategy(compress="int8")`` or ``TowersStrategy(mode="diloco:16")`` passes towers'
-options on. Lightning starts the ranks itself
+options on; ``TowersStrategy(balance=None)`` cuts each global batch of the training loader in
+shares that follow the ranks' speeds. Lightning starts the ranks itself
 (``devices=N``: it runs the script once per rank), or runs under ``torchrun`` and ``towers run``
 as its DDP does. See docs/lightning.md.
 """
@@ -37,10 +38,11 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
         "towers.lightning needs Lightning: pip install 'towers-dp[lightning]' (lightning>=2.4)"
     ) from exc
 from torch import Tensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 from torch.utils.data import distributed as torch_distributed
 
 from . import ddp
+from .api.balance import choose_balance
 from .api.ddp import join_all
 
 __all__ = ["TowersFabricStrategy", "TowersStrategy"]
@@ -67,11 +69,24 @@ def _join(strategy: Any, timeout: Any) -> None:
     strategy._process_group_backend = "nccl" if strategy.root_device.type == "cuda" else "gloo"
 
 
-def _towers_sampler(dataloader: object) -> object:
+def _towers_sampler(dataloader: object, balance: bool | None = False) -> object:
     """The sampler Lightning put in a distributed loader (torch's, which pads the dataset with
-    repeated samples) replaced by towers' (every sample once, the same order)."""
+    repeated samples) replaced by towers' (every sample once, the same order); with
+    ``balance`` (a training loader), towers' batch sampler, which cuts each global batch in the
+    ranks' balanced shares."""
     sampler = getattr(dataloader, "sampler", None)
     if isinstance(dataloader, DataLoader) and type(sampler) is torch_distributed.DistributedSampler:
+        if balance is not False and _balanceable(dataloader, balance, sampler):
+            assert dataloader.batch_size is not None
+            batches = ddp.DistributedBatchSampler(
+                sampler.dataset,
+                dataloader.batch_size,
+                shuffle=sampler.shuffle,
+                seed=sampler.seed,
+                drop_last=dataloader.drop_last,
+                balance=balance,
+            )
+            return _rebuilt(dataloader, batches)
         ours = ddp.DistributedSampler(
             sampler.dataset,
             sampler.num_replicas,
@@ -84,6 +99,41 @@ def _towers_sampler(dataloader: object) -> object:
         )
         return _update_dataloader(dataloader, ours)
     return dataloader
+
+
+def _balanceable(loader: DataLoader, balance: bool | None, sampler: Any) -> bool:
+    """Whether a training loader can take the balanced batch sampler; where ``balance`` is
+    ``None`` and a custom ``collate_fn`` could make the split change the result, rank 0 says
+    so in one line."""
+    if type(loader) is not DataLoader or loader.batch_size is None:
+        return False  # a loader of another class, or batches of its own: as it is
+    because = None
+    if loader.collate_fn is not default_collate:
+        because = (
+            "the loader's collate_fn may pad or pack the samples of the batch it is given, so "
+            "the shares could change the result (balance=True if yours treats every sample "
+            "alone)"
+        )
+    world, rank = sampler.num_replicas, sampler.rank
+    return choose_balance(balance, None, world, because, "TowersStrategy", rank)
+
+
+def _rebuilt(loader: DataLoader, batches: ddp.DistributedBatchSampler) -> DataLoader:
+    """``loader`` with ``batches`` as its batch sampler, everything else as it was."""
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=batches,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )
 
 
 def _float_mean(tensor: Any, reduce_op: Any) -> Any:
@@ -125,6 +175,11 @@ class TowersStrategy(DDPStrategy):
         compress: a compression by name, as ``towers.train``'s (``"bf16"``, ``"int8"``,
             ``"powersgd:R"``, ...).
         outer_optimizer: DiLoCo's outer optimizer, ``params -> Optimizer``.
+        balance: ``False`` (default): every rank takes the loader's batch size, and runs
+            repeat bit for bit; ``None``: the training loader's global batches are cut in
+            shares that follow the ranks' speeds wherever that keeps the result exact (one
+            line says why not where it does not), ``True``: even then. A balanced run equals
+            one device's to float tolerance, not bit for bit: the shares follow timings.
         **kwargs: ``DDPStrategy``'s (``start_method``, ``timeout``, ``process_group_backend``,
             the cluster environment, ...).
     """
@@ -137,10 +192,14 @@ class TowersStrategy(DDPStrategy):
         mode: str = "sync",
         compress: str | None = None,
         outer_optimizer: Any = None,
+        balance: bool | None = False,
         **kwargs: Any,
     ):
+        if balance is not None and not isinstance(balance, bool):
+            raise TypeError(f"balance must be True, False or None, got {balance!r}")
         super().__init__(**kwargs)
         self._towers = _Options(mode, compress, outer_optimizer)
+        self._balance = balance
 
     def setup_distributed(self) -> None:
         self.set_world_ranks()
@@ -162,7 +221,9 @@ class TowersStrategy(DDPStrategy):
             yield None
 
     def process_dataloader(self, dataloader: object) -> object:
-        return _towers_sampler(dataloader)
+        module = self.lightning_module
+        training = module is not None and module.trainer.training
+        return _towers_sampler(dataloader, self._balance if training else False)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         return super().reduce(_float_mean(tensor, reduce_op), group, reduce_op)
