@@ -171,3 +171,60 @@ def test_fabric_with_devices_2_ends_with_one_device_s_parameters(tmp_path: Path)
     assert result.returncode == 0, result.stdout
     reference, _ = one_device(global_batch=32, accumulate=2)
     reference.check(torch.load(out)["model"], "Fabric(strategy='towers', devices=2), accumulating")
+
+
+def test_lightning_options_that_cannot_keep_their_meaning_are_refused_before_ranks_start():
+    """Refused when the Trainer or Fabric is made: no rank has started yet."""
+    import lightning.fabric as lf
+    import lightning.pytorch as pl
+    from lightning.pytorch.accelerators import Accelerator
+
+    from towers.lightning import TowersFabricStrategy, TowersStrategy
+
+    class Elsewhere(Accelerator):
+        """An accelerator of a kind towers does not train on (its devices are CPUs here)."""
+
+        def setup_device(self, device):
+            pass
+
+        def teardown(self):
+            pass
+
+        @staticmethod
+        def parse_devices(devices):
+            return int(devices)
+
+        @staticmethod
+        def get_parallel_devices(devices):
+            return [torch.device("cpu")] * int(devices)
+
+        @staticmethod
+        def auto_device_count():
+            return 1
+
+        @staticmethod
+        def is_available():
+            return True
+
+        def get_device_stats(self, device):
+            return {}
+
+        @classmethod
+        def name(cls):
+            return "elsewhere"
+
+    def trainer(**kw):
+        return pl.Trainer(strategy=TowersStrategy(), devices=2, logger=False, **kw)
+
+    with pytest.raises(ValueError, match=r"sync_batchnorm=True is not available under strategy="):
+        trainer(accelerator="cpu", sync_batchnorm=True)
+    with pytest.raises(ValueError, match=r"precision='16-true' computes in float16.*bf16-mixed"):
+        trainer(accelerator="cpu", precision="16-true")
+    with pytest.raises(ValueError, match=r"accelerator='cpu' or 'cuda', got Elsewhere"):
+        trainer(accelerator=Elsewhere())
+    fabric = TowersFabricStrategy()
+    with pytest.raises(ValueError, match=r"precision='16-true' computes in float16"):
+        lf.Fabric(strategy=fabric, accelerator="cpu", devices=2, precision="16-true")
+    with pytest.raises(ValueError, match=r"transport must be one of auto, shm, gloo, nccl"):
+        TowersStrategy(transport="tcp")
+    assert trainer(accelerator="cpu", precision="bf16-mixed").strategy is not None

@@ -28,9 +28,12 @@ from collections.abc import Generator
 from typing import Any
 
 try:
+    from lightning.fabric.accelerators import CPUAccelerator as FabricCPU
+    from lightning.fabric.accelerators import CUDAAccelerator as FabricCUDA
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
     from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
     from lightning.fabric.strategies.strategy import _BackwardSyncControl
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
     from lightning.pytorch.utilities.data import _update_dataloader
 except ImportError as exc:  # pragma: no cover - the extra is not installed
@@ -44,6 +47,8 @@ from torch.utils.data import distributed as torch_distributed
 from . import ddp
 from .api.balance import choose_balance
 from .api.ddp import join_all
+from .core.launch import TRANSPORT
+from .core.transport import Transport
 
 __all__ = ["TowersFabricStrategy", "TowersStrategy"]
 
@@ -51,11 +56,13 @@ NAME = "towers"
 DESCRIPTION = "towers: sample-weighted, exact data parallelism"
 
 
-def _join(strategy: Any, timeout: Any) -> None:
+def _join(strategy: Any, timeout: Any, transport: Transport | None) -> None:
     """Join the job as the launcher placed this rank (Lightning's own, torchrun or towers
     run): towers reads the torchrun variables, which Lightning's launcher only partly sets."""
     env = strategy.cluster_environment
     assert env is not None
+    if transport is not None:
+        os.environ[TRANSPORT] = str(transport)
     os.environ.update(
         RANK=str(strategy.global_rank),
         WORLD_SIZE=str(strategy.world_size),
@@ -67,6 +74,34 @@ def _join(strategy: Any, timeout: Any) -> None:
     if not ddp.is_initialized():
         ddp.init_process_group(strategy._process_group_backend, timeout=timeout)
     strategy._process_group_backend = "nccl" if strategy.root_device.type == "cuda" else "gloo"
+
+
+def _refuse_options(strategy: Any, layer_sync: Any) -> None:
+    """Lightning's options that would not keep their meaning under towers, refused when the
+    Trainer or Fabric is made, before any rank starts."""
+    accelerator = strategy.accelerator
+    if not isinstance(accelerator, CPUAccelerator | CUDAAccelerator | FabricCPU | FabricCUDA):
+        raise ValueError(
+            f"strategy='towers' trains on accelerator='cpu' or 'cuda', got "
+            f"{type(accelerator).__name__}: pass accelerator='cpu' (or 'cuda' with GPUs)"
+        )
+    # the Trainer's strategies hold a precision_plugin, Fabric's a precision
+    plugin = getattr(strategy, "precision_plugin", None) or strategy.precision
+    precision = str(getattr(plugin, "precision", "32-true"))
+    if precision.startswith("16") and isinstance(accelerator, CPUAccelerator | FabricCPU):
+        raise ValueError(
+            f"precision={precision!r} computes in float16, which CPUs do slowly and, with no "
+            "loss scaling, inexactly: on accelerator='cpu' pass precision='bf16-mixed' (or "
+            "'32-true')"
+        )
+    if layer_sync is not None:
+        raise ValueError(
+            "sync_batchnorm=True is not available under strategy='towers' yet: each rank's "
+            "batch brings its own loss, and torch's SyncBatchNorm would weigh batches of "
+            "different sizes alike. Leave sync_batchnorm off (each rank normalises over its "
+            "own batch), or train in towers' own loop with ctx.replicate(model, "
+            "sync_batchnorm=True) (docs/batchnorm.md)"
+        )
 
 
 def _towers_sampler(dataloader: object, balance: bool | None = False) -> object:
@@ -149,8 +184,12 @@ def _float_mean(tensor: Any, reduce_op: Any) -> Any:
 class _Options:
     """towers' options of a strategy, and the wrapper they make."""
 
-    def __init__(self, mode: str, compress: str | None, outer_optimizer: Any):
+    def __init__(
+        self, mode: str, compress: str | None, outer_optimizer: Any, transport: str | None
+    ):
         self.mode, self.compress, self.outer_optimizer = mode, compress, outer_optimizer
+        # a misspelt name is refused here, with the valid ones listed
+        self.transport = None if transport is None else Transport.parse(transport)
 
     def wrap(self, module: Any) -> ddp.DistributedDataParallel:
         wrapped = ddp.DistributedDataParallel(
@@ -175,6 +214,8 @@ class TowersStrategy(DDPStrategy):
         compress: a compression by name, as ``towers.train``'s (``"bf16"``, ``"int8"``,
             ``"powersgd:R"``, ...).
         outer_optimizer: DiLoCo's outer optimizer, ``params -> Optimizer``.
+        transport: how the sums travel, as ``towers.init``'s (``"auto"``: shared memory on
+            one host; ``"gloo"``, ``"nccl"``, ``"shm"``); by default ``TOWERS_TRANSPORT``'s.
         balance: ``False`` (default): every rank takes the loader's batch size, and runs
             repeat bit for bit; ``None``: the training loader's global batches are cut in
             shares that follow the ranks' speeds wherever that keeps the result exact (one
@@ -192,18 +233,23 @@ class TowersStrategy(DDPStrategy):
         mode: str = "sync",
         compress: str | None = None,
         outer_optimizer: Any = None,
+        transport: str | None = None,
         balance: bool | None = False,
         **kwargs: Any,
     ):
         if balance is not None and not isinstance(balance, bool):
             raise TypeError(f"balance must be True, False or None, got {balance!r}")
         super().__init__(**kwargs)
-        self._towers = _Options(mode, compress, outer_optimizer)
+        self._towers = _Options(mode, compress, outer_optimizer, transport)
         self._balance = balance
+
+    def _configure_launcher(self) -> None:
+        _refuse_options(self, self._layer_sync)
+        super()._configure_launcher()
 
     def setup_distributed(self) -> None:
         self.set_world_ranks()
-        _join(self, self._timeout)
+        _join(self, self._timeout, self._towers.transport)
 
     def _setup_model(self, model: Any) -> Any:
         return self._towers.wrap(model)
@@ -260,16 +306,21 @@ class _NoSync(_BackwardSyncControl):
 
 class TowersFabricStrategy(FabricDDPStrategy):
     """``Fabric(strategy="towers")``: Fabric's ``DDPStrategy`` with towers' step and sampler,
-    as :class:`TowersStrategy` is the Trainer's; ``compress`` and Fabric's own arguments."""
+    as :class:`TowersStrategy` is the Trainer's; ``compress``, ``transport`` and Fabric's own
+    arguments."""
 
-    def __init__(self, *, compress: str | None = None, **kwargs: Any):
+    def __init__(self, *, compress: str | None = None, transport: str | None = None, **kwargs: Any):
         super().__init__(**kwargs)
-        self._towers = _Options("sync", compress, None)
+        self._towers = _Options("sync", compress, None, transport)
         self._backward_sync_control = _NoSync()
+
+    def _configure_launcher(self) -> None:
+        _refuse_options(self, None)
+        super()._configure_launcher()
 
     def _setup_distributed(self) -> None:
         self._set_world_ranks()
-        _join(self, self._timeout)
+        _join(self, self._timeout, self._towers.transport)
 
     def setup_module(self, module: Any) -> Any:
         return self._towers.wrap(module)
