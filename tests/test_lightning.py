@@ -117,7 +117,8 @@ def test_a_balanced_trainer_gives_the_slower_rank_less_and_equals_one_device(tmp
     """tests/scripts/lightning_balanced.py: TowersStrategy(balance=None) on 2 devices, rank 1's
     training step doing more work. The training loader gets towers' batch sampler: rank 1's
     share of each global batch shrinks, each step's batches together are the global batch of
-    Lightning's seed-0 order, and both ranks end with one device's parameters."""
+    Lightning's order (seed 0 + epoch, two epochs), and both ranks end with one device's
+    parameters."""
     script = SCRIPT.parent / "lightning_balanced.py"
     result = run([sys.executable, str(script), str(tmp_path)], tmp_path, 140)
     assert result.returncode == 0, result.stdout
@@ -126,8 +127,10 @@ def test_a_balanced_trainer_gives_the_slower_rank_less_and_equals_one_device(tmp
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
     saved = [torch.load(tmp_path / f"rank-{r}.pt") for r in range(2)]
-    order = torch.randperm(job.SAMPLES, generator=torch.Generator().manual_seed(0))
-    global_batches = list(order.split(2 * job.BATCH))
+    global_batches = []  # each epoch's order: seed 0 + epoch (set_epoch reached the sampler)
+    for epoch in range(job.EPOCHS):
+        order = torch.randperm(job.SAMPLES, generator=torch.Generator().manual_seed(epoch))
+        global_batches += list(order.split(2 * job.BATCH))
     check_balanced_batches(saved, global_batches, job.dataset(), job.make_net, lr=job.LR)
 
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from towers.lightning import TowersStrategy
 
-SAMPLES, BATCH, LR = 2903, 48, 0.05
+SAMPLES, BATCH, LR, EPOCHS = 2903, 48, 0.05, 2
 
 
 def dataset() -> TensorDataset:
@@ -58,7 +58,7 @@ if __name__ == "__main__":
         strategy=TowersStrategy(balance=None),
         accelerator="cpu",
         devices=2,
-        max_epochs=1,
+        max_epochs=EPOCHS,
         enable_progress_bar=False,
         logger=False,
         enable_checkpointing=False,

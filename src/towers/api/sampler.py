@@ -158,6 +158,12 @@ class DistributedBatchSampler:
         """The epoch whose order the next iteration deals (as ``DistributedSampler``'s)."""
         self.epoch = epoch
 
+    @property
+    def sampler(self) -> DistributedBatchSampler:
+        """Itself: where torch's ``BatchSampler`` keeps its sampler, which is where Lightning
+        calls ``set_epoch`` at each epoch."""
+        return self
+
     def _order(self) -> list[int]:
         n = len(self.dataset)  # type: ignore[arg-type]
         if not self.shuffle:
