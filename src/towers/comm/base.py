@@ -8,6 +8,7 @@ caller uses, so an engine never probes a transport with ``getattr`` or ``isinsta
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import threading
@@ -55,6 +56,18 @@ def _keep(work: Any) -> None:
     (pytorch#38228). Kept here, the work is freed by Python instead.
     """
     _KEPT.append(work)
+
+
+def _settle() -> None:
+    """At exit, before the interpreter shuts down: a pause with the GIL released, in which a
+    transport thread still letting go of a work another library started (Lightning's metric
+    sums, a script's own ``dist.all_reduce``), and so waiting for the GIL, gets it (see
+    :func:`_keep`). Registered by the first :class:`DistComm` of the process."""
+    time.sleep(SETTLE_SECONDS)
+
+
+SETTLE_SECONDS = 0.05  # a thread's free of a finished work takes microseconds: a wide margin
+_settling = False
 
 
 class Work(Protocol):
@@ -227,6 +240,10 @@ class DistComm:
         sliced: bool = False,
         secret: JobSecret | None = None,
     ):
+        global _settling
+        if not _settling:  # at exit, after whatever the script registered later
+            atexit.register(_settle)
+            _settling = True
         self.secret = secret
         self.levels: Levels | None = None
         self.sliced = sliced  # wait without Python callbacks (elastic jobs across hosts)
