@@ -219,12 +219,13 @@ def unused_port() -> int:
 def check_balanced_batches(
     saved: list[dict], global_batches: list[torch.Tensor], dataset: TensorDataset, make_model,
     lr: float,
-) -> None:  # fmt: skip
+) -> list[float]:  # fmt: skip
     """Two ranks' batches under towers' balanced batch sampler, rank 1 the slower (each saved
     ``{"batches": [indices of each batch], "model": state dict}``): each step's batches
     together are its global batch (rank 0's part first), rank 0's share grew once both ranks
     were measured, and both ranks end with the parameters of one process taking SGD steps of
-    ``lr`` on the global batches (mean squared error)."""
+    ``lr`` on the global batches (mean squared error). Returns that process's loss summed over
+    each global batch's samples, in float64."""
     steps = list(zip(saved[0]["batches"], saved[1]["batches"], strict=True))
     assert len(steps) == len(global_batches)
     for (mine, theirs), whole in zip(steps, global_batches):
@@ -236,13 +237,17 @@ def check_balanced_batches(
     def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
         model = make_model().to(dtype)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        sums = []
         for whole in global_batches:
             x, y = (t.to(dtype) for t in dataset[whole][:2])
             optimizer.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
             optimizer.step()
-        return model, []
+            sums.append(float(loss.detach()) * len(whole))
+        return model, sums
 
     reference = Reference.run(loop)
     for rank, state in enumerate(saved):
         reference.check(state["model"], f"rank {rank}")
+    return reference.exact_losses

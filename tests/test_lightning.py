@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
+from cgroups import cpu_cgroup, throttled_periods
 from exact import Reference
 from helpers import check_balanced_batches
 from test_examples import run
@@ -112,26 +114,53 @@ def test_the_trainer_on_2_devices_trains_validates_tests_and_resumes_as_one_devi
     diloco_reference(x, y).check(saved["diloco"], "TowersStrategy(mode='diloco:4')")
 
 
-@pytest.mark.timeout(150)
-def test_a_balanced_trainer_gives_the_slower_rank_less_and_equals_one_device(tmp_path: Path):
-    """tests/scripts/lightning_balanced.py: TowersStrategy(balance=None) on 2 devices, rank 1's
-    training step doing more work. The training loader gets towers' batch sampler: rank 1's
-    share of each global batch shrinks, each step's batches together are the global batch of
-    Lightning's order (seed 0 + epoch, two epochs), and both ranks end with one device's
-    parameters."""
-    script = SCRIPT.parent / "lightning_balanced.py"
-    result = run([sys.executable, str(script), str(tmp_path)], tmp_path, 140)
+BALANCED = SCRIPT.parent / "lightning_balanced.py"
+
+
+def balanced_fit(out: Path, *cgroup: str) -> tuple[list[float], ModuleType]:
+    """tests/scripts/lightning_balanced.py on 2 devices; its batches and parameters checked
+    against one device (:func:`helpers.check_balanced_batches`); the float64 loss summed over
+    each global batch, and the script's module."""
+    result = run([sys.executable, str(BALANCED), str(out), *cgroup], out, 140)
     assert result.returncode == 0, result.stdout
-    spec = importlib.util.spec_from_file_location("lightning_balanced", script)
+    spec = importlib.util.spec_from_file_location("lightning_balanced", BALANCED)
     assert spec is not None and spec.loader is not None
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
-    saved = [torch.load(tmp_path / f"rank-{r}.pt") for r in range(2)]
+    saved = [torch.load(out / f"rank-{r}.pt") for r in range(2)]
     global_batches = []  # each epoch's order: seed 0 + epoch (set_epoch reached the sampler)
     for epoch in range(job.EPOCHS):
         order = torch.randperm(job.SAMPLES, generator=torch.Generator().manual_seed(epoch))
         global_batches += list(order.split(2 * job.BATCH))
-    check_balanced_batches(saved, global_batches, job.dataset(), job.make_net, lr=job.LR)
+    sums = check_balanced_batches(saved, global_batches, job.dataset(), job.make_net, lr=job.LR)
+    return sums, job
+
+
+@pytest.mark.timeout(150)
+def test_a_balanced_trainer_gives_the_slower_rank_less_and_equals_one_device(tmp_path: Path):
+    """TowersStrategy(balance=None) on 2 devices, rank 1's training step doing more work. The
+    training loader gets towers' batch sampler: rank 1's share of each global batch shrinks,
+    each step's batches together are the global batch of Lightning's order (seed 0 + epoch, two
+    epochs), and both ranks end with one device's parameters. The progress bar, a CSV and a
+    TensorBoard logger work; the CSV's epoch losses are one device's means over the samples."""
+    sums, job = balanced_fit(tmp_path)
+    rows = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().split()
+    logged = [float(row.split(",")[2]) for row in rows[1:]]
+    per_epoch = len(sums) // job.EPOCHS
+    expected = [sum(sums[e * per_epoch : (e + 1) * per_epoch]) / job.SAMPLES for e in (0, 1)]
+    assert logged == pytest.approx(expected, rel=1e-5), (logged, expected)
+    assert list((tmp_path / "tb" / "version_0").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_worker_in_a_capped_cpu_cgroup_gets_the_smaller_share_under_lightning(tmp_path: Path):
+    """The same fit, rank 1 moved into a cpu cgroup capped at a tenth of a core as training
+    starts (a slow worker, not more work): it gets less, and the result stays one device's."""
+    with cpu_cgroup(0.1) as cg:
+        balanced_fit(tmp_path, str(cg))
+        throttled = throttled_periods(cg)
+    assert throttled > 0, "the cap never held rank 1 back"
 
 
 def test_the_strategy_s_balance_must_be_a_bool_or_none():

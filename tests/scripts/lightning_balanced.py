@@ -1,9 +1,11 @@
 """A LightningModule fitted by ``Trainer(strategy=TowersStrategy(balance=None), devices=2)``
-while rank 1's training step does more work (a slower device). Each rank saves the dataset
-indices of its batches and its final parameters to ``OUT/rank-R.pt``. Lightning's launcher
-runs this file once per rank.
+while rank 1 is the slower: its training step does more work (a slower device), or, given a
+cpu cgroup, it moves itself into it as training starts. Each rank saves the dataset indices of
+its batches and its final parameters to ``OUT/rank-R.pt``; the run logs its epoch loss to a
+CSV and a TensorBoard logger under ``OUT``, with the progress bar on. Lightning's launcher runs
+this file once per rank.
 
-    python lightning_balanced.py OUT
+    python lightning_balanced.py OUT [CGROUP]
 """
 
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.nn as nn
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from towers.lightning import TowersStrategy
@@ -32,19 +35,25 @@ def make_net() -> nn.Module:
 
 
 class Net(pl.LightningModule):
-    def __init__(self):
+    def __init__(self, cgroup: str | None):
         super().__init__()
-        self.net = make_net()
+        self.net, self.cgroup = make_net(), cgroup
         self.seen: list[list[int]] = []
+
+    def on_train_start(self):
+        if self.cgroup is not None and self.global_rank == 1:
+            Path(self.cgroup, "cgroup.procs").write_text(str(__import__("os").getpid()))
 
     def training_step(self, batch, index):
         x, y, samples = batch
-        if self.global_rank == 1:
+        if self.cgroup is None and self.global_rank == 1:
             end = torch.randn(192, 192)
             for _ in range(6):
                 end = end @ end.tanh()
         self.seen.append(samples.tolist())
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)
@@ -53,14 +62,13 @@ class Net(pl.LightningModule):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     out = Path(sys.argv[1])
-    model = Net()
+    model = Net(sys.argv[2] if len(sys.argv) > 2 else None)
     trainer = pl.Trainer(
         strategy=TowersStrategy(balance=None),
         accelerator="cpu",
         devices=2,
         max_epochs=EPOCHS,
-        enable_progress_bar=False,
-        logger=False,
+        logger=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tb")],
         enable_checkpointing=False,
         enable_model_summary=False,
     )
