@@ -3,7 +3,9 @@ uneven last batch), with gradient clipping and a learning-rate schedule, then va
 the same samples; rank 0 saves the parameters and the logged metrics to OUT. Lightning's
 launcher runs this file once per rank.
 
-    python lightning_fit.py STRATEGY DEVICES BATCH_PER_RANK OUT
+    python lightning_fit.py STRATEGY DEVICES BATCH_PER_RANK OUT [NUM_NODES]
+
+With ``NUM_NODES``, the ranks are started by ``torchrun`` on each node instead.
 """
 
 import sys
@@ -13,7 +15,8 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import towers.lightning  # noqa: F401  (registers "towers")
+import towers.api.ddp
+import towers.lightning  # registers strategy="towers"
 
 SAMPLES, EPOCHS, LR, CLIP = 1001, 2, 0.1, 0.5
 
@@ -64,11 +67,13 @@ class Net(pl.LightningModule):
 
 if __name__ == "__main__":
     strategy, devices, batch, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    nodes = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     model = Net()
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=devices,
+        num_nodes=nodes,
         max_epochs=EPOCHS,
         gradient_clip_val=CLIP,
         enable_progress_bar=False,
@@ -82,4 +87,5 @@ if __name__ == "__main__":
     (validated,) = trainer.validate(model, DataLoader(dataset(), batch_size=batch), verbose=False)
     if trainer.global_rank == 0:
         metrics["val_loss"] = validated["val_loss"]
-        torch.save({"model": model.net.state_dict(), "metrics": metrics}, out)
+        comm = type(towers.api.ddp.context().comm).__name__ if strategy == "towers" else None
+        torch.save({"model": model.net.state_dict(), "metrics": metrics, "comm": comm}, out)
