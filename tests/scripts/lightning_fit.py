@@ -44,6 +44,11 @@ class Net(pl.LightningModule):
 
     def training_step(self, batch, index):
         x, y = batch
+        if index == 0 and torch.distributed.is_initialized():
+            # the module's own collectives work beside the strategy's
+            ones = torch.ones(1)
+            torch.distributed.all_reduce(ones)
+            assert ones.item() == self.trainer.world_size, ones
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         return loss
