@@ -25,7 +25,9 @@ For each arm:
   in every arm, also in those that run longer);
 - ``to DDP's``: seconds from the start of training until the held-out loss first came within
   0.1% of plain DDP's final held-out loss (the median over the repeats; 0.1% so that a run
-  equal to DDP's up to rounding counts), and that time over the best working DDP arm's;
+  equal to DDP's up to rounding counts), and that time over the best working DDP arm's (arms
+  named ``lightning ...`` train on the order of Lightning's sampler: they are held to the
+  ``lightning ddp`` arm's final loss and time instead);
 - ``util`` (with ``--utilisation``, which runs every arm a second time, right after the first,
   on a second pair of hosts whose link is not shaped): the arm's ms/step unshaped over its
   ms/step on the shaped link, the median of that ratio over the repeats: how much of a step
@@ -33,7 +35,8 @@ For each arm:
   100% is the noise of a shared machine).
 
 An arm is a dict in :data:`ARMS`: ``name``, ``per_host`` (workers on each host), and either
-``train`` (``towers.train``'s keywords over the problem) or ``ddp`` (see the worker's doc);
+``train`` (``towers.train``'s keywords over the problem), ``ddp`` or ``lightning`` (see the
+worker's doc);
 ``longer: F`` trains F times ``--steps`` global batches, so that an arm whose steps make less
 progress than exact SGD's (low-rank or local steps) shows when it reaches DDP's loss;
 ``by_default``: the problems that run it unless ``--arms`` names others (``["mlp"]`` when
@@ -98,6 +101,10 @@ ARMS: list[dict[str, Any]] = [
      "by_default": ["gpt"]},
     {"name": "towers sparseloco:16", "per_host": 1, "train": {"mode": "sparseloco:16"},
      "longer": 3, "by_default": ["gpt"]},
+    {"name": "lightning ddp", "per_host": 1, "lightning": "ddp"},
+    {"name": "lightning towers", "per_host": 1, "lightning": {}},
+    {"name": "lightning towers diloco:16 int8", "per_host": 1,
+     "lightning": {"mode": "diloco:16", "compress": "int8"}, "longer": 3},
 ]  # fmt: skip
 BATCHES = {"mlp": "global batches of 256",
            "gpt": "global batches of 32 sequences of 64 characters"}  # fmt: skip
@@ -179,15 +186,23 @@ def _utilisation(shaped: list[dict], unshaped: list[dict], args: argparse.Namesp
                     if "error" not in a and "error" not in b])  # fmt: skip
 
 
+def _final(raw: dict[str, list[dict]], name: str, args: argparse.Namespace) -> float | None:
+    """The median final held-out loss of arm ``name``'s working runs, if it ran."""
+    finals = [dict(r["evals"])[args.steps] for r in raw.get(name, []) if "error" not in r]
+    return statistics.median(finals) if finals else None
+
+
 def report(
     raw: dict[str, list[dict]], args: argparse.Namespace, loads: list[float],
     unshaped: dict[str, list[dict]] | None = None,
 ) -> dict:  # fmt: skip
-    ddp = [dict(r["evals"])[args.steps] for r in raw.get("ddp", []) if "error" not in r]
-    target = statistics.median(ddp) if ddp else None
+    target = _final(raw, "ddp", args)
+    # Lightning's arms train on its sampler's order: they are held to Lightning's ddp
+    lightning = _final(raw, "lightning ddp", args)
     rows = {}
     for name, records in raw.items():
-        runs = [summarize(r, args, target) for r in records]
+        goal = lightning if name.startswith("lightning") and lightning is not None else target
+        runs = [summarize(r, args, goal) for r in records]
         ok = [r for r in runs if "error" not in r]
         row: dict[str, Any] = {"runs": runs, "failed": len(runs) - len(ok)}
         if not ok:
@@ -202,13 +217,15 @@ def report(
         rows[name] = row
     working = [r["to_target"] for n, r in rows.items() if n.startswith("ddp") and r["to_target"]]
     best = min(working) if working else None
+    own = rows.get("lightning ddp", {}).get("to_target")
     ddp_mb = rows["ddp"]["mb_per_step"] if "ddp" in rows else None
-    for row in rows.values():
-        row["vs_best_ddp"] = row["to_target"] / best if best and row["to_target"] else None
+    for name, row in rows.items():
+        base = own if name.startswith("lightning") and own else best
+        row["vs_best_ddp"] = row["to_target"] / base if base and row["to_target"] else None
         mb = row.get("mb_per_step")
         row["fewer_bytes"] = ddp_mb / mb if ddp_mb and mb else None
-    return {"target": target, "best_ddp_seconds": best, "loads": loads, "rows": rows,
-            "config": vars(args)}  # fmt: skip
+    return {"target": target, "lightning_target": lightning, "best_ddp_seconds": best,
+            "loads": loads, "rows": rows, "config": vars(args)}  # fmt: skip
 
 
 def table(result: dict) -> str:
@@ -239,6 +256,9 @@ def table(result: dict) -> str:
                if util else "")
             + (f"  ({r['failed']} of the runs failed)" if r["failed"] else "")
         )  # fmt: skip
+    if result.get("lightning_target") is not None:
+        lines.append(f"\nlightning arms: to lightning ddp's final {result['lightning_target']:.3f}"
+                     ", and x lightning ddp's time to it")  # fmt: skip
     loads = ", ".join(f"{x:.1f}" for x in result["loads"])
     lines.append(f"\nload average as each repeat started: {loads}")
     return "\n".join(lines)

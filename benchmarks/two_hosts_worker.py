@@ -22,6 +22,8 @@ problem (any of them: ``compress``, ``transport``, ``mode``...); ``{"ddp": "plai
 "powersgd:R" | "powersgd-1bucket:R" | "postlocal:P"}`` is DistributedDataParallel over Gloo,
 plain, with ``powerSGD_hook`` (default buckets, or every gradient in one bucket), or with
 ``post_localSGD_hook`` and ``PostLocalSGDOptimizer`` averaging parameters every P steps.
+``{"lightning": "ddp" | {...}}`` is a LightningModule fitted by a Trainer with Lightning's
+``ddp`` strategy or ``TowersStrategy(**...)`` (``mode``, ``compress``, ...), one node per host.
 
 Rank 0 counts the bytes through its end of the link between the hosts (LINK: sent and
 received) after every global batch, and writes the run to OUT as JSON: per global batch the
@@ -215,6 +217,62 @@ def run_ddp(p: Problem, kind: str, steps: int, every: int) -> dict[str, Any]:
     return {"times": times, "bytes": counts, "evals": evals, "losses": []}
 
 
+def run_lightning(p: Problem, arm: dict[str, Any], steps: int, every: int) -> dict[str, Any]:
+    """A LightningModule over the problem, fitted by a Trainer under this torchrun (one node
+    per host): Lightning's own ``ddp``, or ``TowersStrategy(**arm["lightning"])``. Each rank
+    brings its part of the global batch from Lightning's distributed sampler (seed 0)."""
+    import lightning.pytorch as pl
+
+    from towers.lightning import TowersStrategy
+
+    os.environ["GLOO_SOCKET_IFNAME"] = LINK
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    record: dict[str, Any] = {"times": [], "bytes": [], "evals": [], "losses": []}
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = p.model()
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            return p.loss(self.model, tuple(batch))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return p.optimizer(self.parameters())
+
+    class Clock(pl.Callback):
+        """Each global batch's time and bytes, and rank 0's held-out loss every ``every``."""
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            k = trainer.global_step
+            if rank == 0 and (k % every == 0 or k == steps):
+                with torch.no_grad():
+                    record["evals"].append((k, float(p.loss(module.model, p.held))))
+            tick(k)
+            record["times"].append(time.perf_counter() - self.start)
+            record["bytes"].append(TICKS[k][1] if rank == 0 else 0)
+
+    kind = arm["lightning"]
+    trainer = pl.Trainer(
+        strategy="ddp" if kind == "ddp" else TowersStrategy(**kind),
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        num_nodes=world // int(os.environ["LOCAL_WORLD_SIZE"]),
+        max_steps=steps,
+        callbacks=[Clock()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(TensorDataset(*p.data), batch_size=p.batch // world, shuffle=True)
+    trainer.fit(Module(), loader)
+    return record
+
+
 def main() -> None:
     global LINK
     torch.set_num_threads(1)
@@ -224,6 +282,8 @@ def main() -> None:
         p = PROBLEMS[arm.get("problem", "mlp")]()
         if "ddp" in arm:
             record = run_ddp(p, arm["ddp"], steps, every)
+        elif "lightning" in arm:
+            record = run_lightning(p, arm, steps, every)
         else:
             record = run_towers(p, arm, steps, every)
     except Exception as exc:

@@ -55,6 +55,24 @@ def test_the_report_gives_bytes_saved_and_utilisation_paired_per_repeat() -> Non
     assert "util" not in two_hosts.table(two_hosts.report(raw, args, [1.0]))
 
 
+def test_lightning_arms_are_held_to_lightning_s_ddp() -> None:
+    """Lightning's arms train on its sampler's order, so they race Lightning's ddp arm: its
+    final loss is their target and its time their unit; the others race plain DDP."""
+    args = argparse.Namespace(steps=20, warmup=5)
+    raw = {"ddp": [record(400, 6.0, 2.0)], "lightning ddp": [record(300, 6.0, 2.5)],
+           "lightning towers y": [record(100, 0.1, 2.4)],
+           "towers y": [record(100, 0.1, 2.0)]}  # fmt: skip
+    result = two_hosts.report(raw, args, [1.0])
+    rows = result["rows"]
+    assert result["target"] == 2.0 and result["lightning_target"] == 2.5
+    assert rows["lightning ddp"]["vs_best_ddp"] == 1.0
+    # below 2.5 first at its last evaluation (20 steps of 0.1 s); Lightning's ddp: 20 of 0.3 s
+    assert math.isclose(rows["lightning towers y"]["to_target"], 2.0)
+    assert math.isclose(rows["lightning towers y"]["vs_best_ddp"], 2.0 / 6.0)
+    assert math.isclose(rows["towers y"]["vs_best_ddp"], 0.25)
+    assert "lightning ddp's final 2.500" in two_hosts.table(result)
+
+
 def test_the_gpt_problem_is_the_same_in_every_arm_and_starts_near_chance() -> None:
     p = two_hosts_worker.text()
     (rows,), (held,) = p.data, p.held
