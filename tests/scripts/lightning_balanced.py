@@ -1,13 +1,14 @@
 """A LightningModule fitted by ``Trainer(strategy=TowersStrategy(balance=None), devices=2)``
 while rank 1 is the slower: its training step does more work (a slower device), or, given a
-cpu cgroup, it moves itself into it as training starts. Each rank saves the dataset indices of
-its batches and its final parameters to ``OUT/rank-R.pt``; the run logs its epoch loss to a
-CSV and a TensorBoard logger under ``OUT``, with the progress bar on. Lightning's launcher runs
-this file once per rank.
+cpu cgroup, it moves itself into it as training starts (and back as it ends, so that it saves
+and exits at full speed). Each rank saves the dataset indices of its batches and its final
+parameters to ``OUT/rank-R.pt``; the run logs its epoch loss to a CSV and a TensorBoard logger
+under ``OUT``, with the progress bar on. Lightning's launcher runs this file once per rank.
 
     python lightning_balanced.py OUT [CGROUP]
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +35,15 @@ def make_net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
 
 
+def _cpu_cgroup() -> Path:
+    """This process's cpu cgroup (v1) directory."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            return Path("/sys/fs/cgroup/cpu") / path.lstrip("/")
+    raise RuntimeError("no cpu cgroup")
+
+
 class Net(pl.LightningModule):
     def __init__(self, cgroup: str | None):
         super().__init__()
@@ -42,7 +52,12 @@ class Net(pl.LightningModule):
 
     def on_train_start(self):
         if self.cgroup is not None and self.global_rank == 1:
-            Path(self.cgroup, "cgroup.procs").write_text(str(__import__("os").getpid()))
+            self.home = _cpu_cgroup()
+            Path(self.cgroup, "cgroup.procs").write_text(str(os.getpid()))
+
+    def on_train_end(self):
+        if self.cgroup is not None and self.global_rank == 1:
+            Path(self.home, "cgroup.procs").write_text(str(os.getpid()))
 
     def training_step(self, batch, index):
         x, y, samples = batch
