@@ -218,14 +218,15 @@ def unused_port() -> int:
 
 def check_balanced_batches(
     saved: list[dict], global_batches: list[torch.Tensor], dataset: TensorDataset, make_model,
-    lr: float,
+    lr: float, per_step: list[int] | None = None,
 ) -> list[float]:  # fmt: skip
     """Two ranks' batches under towers' balanced batch sampler, rank 1 the slower (each saved
     ``{"batches": [indices of each batch], "model": state dict}``): each step's batches
     together are its global batch (rank 0's part first), rank 0's share grew once both ranks
     were measured, and both ranks end with the parameters of one process taking SGD steps of
-    ``lr`` on the global batches (mean squared error). Returns that process's loss summed over
-    each global batch's samples, in float64."""
+    ``lr`` on the global batches (mean squared error; ``per_step``: how many global batches each
+    step accumulates, each one's mean loss divided by the most a step holds, else one a step).
+    Returns that process's loss summed over each global batch's samples, in float64."""
     steps = list(zip(saved[0]["batches"], saved[1]["batches"], strict=True))
     assert len(steps) == len(global_batches)
     for (mine, theirs), whole in zip(steps, global_batches):
@@ -237,14 +238,16 @@ def check_balanced_batches(
     def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
         model = make_model().to(dtype)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-        sums = []
-        for whole in global_batches:
-            x, y = (t.to(dtype) for t in dataset[whole][:2])
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
+        sums, at, most = [], 0, max(per_step or [1])
+        for held in per_step or [1] * len(global_batches):
+            for whole in global_batches[at : at + held]:
+                x, y = (t.to(dtype) for t in dataset[whole][:2])
+                loss = nn.functional.mse_loss(model(x), y)
+                (loss / most).backward()
+                sums.append(float(loss.detach()) * len(whole))
+            at += held
             optimizer.step()
-            sums.append(float(loss.detach()) * len(whole))
+            optimizer.zero_grad()
         return model, sums
 
     reference = Reference.run(loop)

@@ -167,6 +167,27 @@ def test_balanced_batches_give_the_slower_rank_less_and_equal_one_process(tmp_pa
     check_balanced_batches(saved, global_batches, dataset, job.make_model, lr=0.05)
 
 
+@pytest.mark.timeout(120)
+def test_balanced_batches_with_accumulation_weigh_each_micro_batch_as_one_process(tmp_path):
+    """ddp_balanced.py accumulating two micro-batches a step, on 2807 samples: each epoch's
+    last step holds a full global batch and the short one of 23, cut in the balanced shares.
+    Each micro-batch is weighed as one process weighs it (the loss of each divided by 2), not
+    by its samples: the ranks end with that process's parameters."""
+    script = ROOT / "tests" / "scripts" / "ddp_balanced.py"
+    launch(tmp_path, script, 2, "towers", str(tmp_path), "2")
+    job = load_script(script)
+    saved = [torch.load(tmp_path / f"rank-{r}.pt") for r in range(2)]
+    global_batches = []
+    for epoch in range(job.EPOCHS):
+        order = torch.randperm(job.ACCUMULATED, generator=torch.Generator().manual_seed(7 + epoch))
+        global_batches += list(order.split(2 * job.BATCH))
+    assert saved[0]["len"] == len(global_batches) // job.EPOCHS == 30
+    assert len(global_batches[29]) == 23  # the short one, in a step with a full one
+    dataset = job.data(job.ACCUMULATED)
+    check_balanced_batches(saved, global_batches, dataset, job.make_model, lr=0.05,
+                           per_step=[2] * 30)  # fmt: skip
+
+
 def test_the_sampler_deals_every_sample_once_in_torch_s_order():
     """torch's permutation and rank-strided dealing, without its padding."""
     data = list(range(11))

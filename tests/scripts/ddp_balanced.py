@@ -1,13 +1,17 @@
 """A DDP script under ``towers.ddp`` whose loader takes towers' balanced batches; rank 1 is
 the slower (its forward does more work), so it should be given the smaller share.
 
-    towers run ddp_balanced.py -n 2 -- OUT
+    towers run ddp_balanced.py -n 2 -- OUT [ACCUMULATE]
 
-Two epochs of 2903 samples at 48 a rank (global batches of 96, the last one of 23). Each rank
-saves the dataset indices of each of its batches, the final parameters and the model's
-dtype-independent seed to ``OUT/rank-R.pt``.
+Two epochs of 2903 samples at 48 a rank (global batches of 96, the last one of 23). With
+ACCUMULATE, 2807 samples (29 global batches of 96 and one of 23), each step accumulating that
+many micro-batches (the first ones under ``no_sync()``, each loss divided by ACCUMULATE, the
+epoch's last step holding what is left): the epoch's last step then holds a full micro-batch
+and the short one. Each rank saves the dataset indices of each of its batches and the final
+parameters to ``OUT/rank-R.pt``.
 """
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -20,14 +24,14 @@ import towers.ddp as dist
 from towers.ddp import DistributedBatchSampler
 from towers.ddp import DistributedDataParallel as DDP
 
-SAMPLES, BATCH, EPOCHS = 2903, 48, 2
+SAMPLES, ACCUMULATED, BATCH, EPOCHS = 2903, 2807, 48, 2
 
 
-def data() -> TensorDataset:
+def data(samples: int = SAMPLES) -> TensorDataset:
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(SAMPLES, 6, generator=g)
-    y = x[:, :2] * 0.5 - x[:, 2:4] + 0.1 * torch.randn(SAMPLES, 2, generator=g)
-    return TensorDataset(x, y, torch.arange(SAMPLES))
+    x = torch.randn(samples, 6, generator=g)
+    y = x[:, :2] * 0.5 - x[:, 2:4] + 0.1 * torch.randn(samples, 2, generator=g)
+    return TensorDataset(x, y, torch.arange(samples))
 
 
 def make_model() -> nn.Module:
@@ -50,21 +54,25 @@ class Slower(nn.Module):
         return self.model(x)
 
 
-def main(out: Path) -> None:
+def main(out: Path, accumulate: int) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = DDP(Slower(make_model(), rank))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    sampler = DistributedBatchSampler(data(), BATCH, seed=7)
-    loader = DataLoader(data(), batch_sampler=sampler)
+    dataset = data(ACCUMULATED if accumulate > 1 else SAMPLES)
+    sampler = DistributedBatchSampler(dataset, BATCH, seed=7)
+    loader = DataLoader(dataset, batch_sampler=sampler)
     batches = []
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
-        for x, y, index in loader:
-            loss = nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        for i, (x, y, index) in enumerate(loader):
+            last = (i + 1) % accumulate == 0 or i + 1 == len(loader)
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = nn.functional.mse_loss(model(x), y) / accumulate
+                loss.backward()
+            if last:
+                optimizer.step()
+                optimizer.zero_grad()
             batches.append(index.tolist())
     state = {k: v.clone() for k, v in model.module.model.state_dict().items()}
     torch.save({"batches": batches, "model": state, "len": len(sampler)}, out / f"rank-{rank}.pt")
@@ -74,4 +82,4 @@ def main(out: Path) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     assert os.environ.get("WORLD_SIZE") == "2"
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1)

@@ -51,12 +51,22 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "join_all",
+    "weigh_micro_batches",
     "wrapped_state",
 ]
 
 _job: Context | None = None  # the job init_process_group joined
 _models: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 _batch: int | None = None  # the samples of the first training forward: the loader's batch size
+
+
+def weigh_micro_batches() -> None:
+    """Every wrapped model weighs its accumulated micro-batches one by one from now on (for a
+    loader whose ranks' batches end together: :class:`~towers.api.sampler.
+    DistributedBatchSampler`)."""
+    for model in _models:
+        if model._steps.micro is None:
+            model.weigh_micro_batches()
 
 
 def wrapped_state() -> RunState | None:

@@ -1,5 +1,6 @@
 """Accumulated micro-batches of unequal sizes weighed as one process weighs them: Lightning's
-``accumulate_grad_batches``, through ``towers.ddp.DistributedDataParallel.weigh_micro_batches``.
+``accumulate_grad_batches``, and a ``towers.ddp`` script's ``no_sync()`` under towers' batch
+sampler, through ``towers.ddp.DistributedDataParallel.weigh_micro_batches``.
 
 A script that accumulates K micro-batches divides each one's mean loss by K, so one process
 on the ranks' batches put together computes the gradient of
@@ -18,9 +19,10 @@ division by N undoes.
 A step is accumulated when its forward runs inside ``no_sync()`` (or with
 ``require_backward_grad_sync = False``), or follows one that did. Every rank must then run the
 same forwards in every step, to the end: a rank that ran out of batches first would meet those
-sums with its empty steps (which is why plain ``towers.ddp`` scripts, which may run out
-unevenly, do not weigh this way yet). A step of one forward is weighted as before, with no
-extra sum.
+sums with its empty steps. So a ``towers.ddp`` script weighs this way only once its loader
+takes :class:`~towers.api.sampler.DistributedBatchSampler`, under which every rank has the same
+batches; with other samplers its ranks may run out unevenly. A step of one forward is weighted
+as before, with no extra sum.
 """
 
 from __future__ import annotations

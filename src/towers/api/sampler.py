@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, distributed
 
 from ..core.balance import split_sizes
 from .balance import choose_balance
-from .ddp import batch_size_seen, context, join_all, wrapped_state
+from .ddp import batch_size_seen, context, join_all, weigh_micro_batches, wrapped_state
 
 __all__ = ["DistributedBatchSampler", "DistributedSampler"]
 
@@ -124,9 +124,9 @@ class DistributedBatchSampler:
     compression, DiLoCo or GPU workers; one line at the first epoch says why), ``True`` even
     then, ``False`` never (each rank takes ``batch_size`` samples a step). The shares change
     only between steps, the same on every rank, and the loader may prefetch: each batch is cut
-    when the loader draws it. With gradient accumulation a step's micro-batches must be cut in
-    the same shares, which holds where the loader draws each batch as it is used
-    (``num_workers=0``), or prefetches a whole number of steps' micro-batches.
+    when the loader draws it. With gradient accumulation (``no_sync()``), each micro-batch is
+    weighed as one process weighs it, whatever its shares and size (:mod:`towers.api.micro`):
+    under this sampler the ranks' batches end together, which that needs.
 
     The last global batch of an epoch may be smaller: every rank gets a part of it (at least
     one sample), or it is left out where it holds fewer samples than there are ranks, or with
@@ -187,6 +187,7 @@ class DistributedBatchSampler:
         return split_sizes(samples, [1.0] * world)
 
     def __iter__(self) -> Iterator[list[int]]:
+        weigh_micro_batches()
         order, world = self._order(), self.num_replicas
         step = self.batch_size * world
         for start in range(0, len(order), step):
