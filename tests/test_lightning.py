@@ -135,7 +135,8 @@ def balanced_fit(out: Path, *cgroup: str) -> tuple[list[float], ModuleType]:
     for epoch in range(job.EPOCHS):
         order = torch.randperm(job.SAMPLES, generator=torch.Generator().manual_seed(epoch))
         global_batches += list(order.split(2 * job.BATCH))
-    sums = check_balanced_batches(saved, global_batches, job.dataset(), job.make_net, lr=job.LR)
+    net = job.make_wide_net if cgroup else job.make_net
+    sums = check_balanced_batches(saved, global_batches, job.dataset(), net, lr=job.LR)
     return sums, job
 
 
@@ -159,7 +160,8 @@ def test_a_balanced_trainer_gives_the_slower_rank_less_and_equals_one_device(tmp
 @pytest.mark.timeout(150)
 def test_a_worker_in_a_capped_cpu_cgroup_gets_the_smaller_share_under_lightning(tmp_path: Path):
     """The same fit, rank 1 moved into a cpu cgroup capped at a tenth of a core as training
-    starts (a slow worker, not more work): it gets less, and the result stays one device's."""
+    starts (a slow worker, not more work), on a net wide enough that a step outlasts the
+    cap's quota: it gets less, and the result stays one device's."""
     with cpu_cgroup(0.1) as cg:
         balanced_fit(tmp_path, str(cg))
         throttled = throttled_periods(cg)

@@ -1,9 +1,10 @@
 """A LightningModule fitted by ``Trainer(strategy=TowersStrategy(balance=None), devices=2)``
 while rank 1 is the slower: its training step does more work (a slower device), or, given a
 cpu cgroup, it moves itself into it as training starts (and back as it ends, so that it saves
-and exits at full speed). Each rank saves the dataset indices of its batches and its final
-parameters to ``OUT/rank-R.pt``; the run logs its epoch loss to a CSV and a TensorBoard logger
-under ``OUT``, with the progress bar on. Lightning's launcher runs this file once per rank.
+and exits at full speed) and both train a wider net, whose step the cap slows. Each rank saves
+the dataset indices of its batches and its final parameters to ``OUT/rank-R.pt``; the run logs
+its epoch loss to a CSV and a TensorBoard logger under ``OUT``, with the progress bar on.
+Lightning's launcher runs this file once per rank.
 
     python lightning_balanced.py OUT [CGROUP]
 """
@@ -35,6 +36,15 @@ def make_net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
 
 
+def make_wide_net() -> nn.Module:
+    """A net whose step outlasts the cgroup's quota (1 ms every 10 ms), so that the cap, not
+    the machine's other work, decides which rank is the slower."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 2)
+    )
+
+
 def _cpu_cgroup() -> Path:
     """This process's cpu cgroup (v1) directory."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
@@ -47,7 +57,7 @@ def _cpu_cgroup() -> Path:
 class Net(pl.LightningModule):
     def __init__(self, cgroup: str | None):
         super().__init__()
-        self.net, self.cgroup = make_net(), cgroup
+        self.net, self.cgroup = make_net() if cgroup is None else make_wide_net(), cgroup
         self.seen: list[list[int]] = []
 
     def on_train_start(self):
