@@ -207,15 +207,16 @@ def torchrun_nodes(
     env: dict[str, str],
     timeout: float = 120,
     started: Any = None,
+    per_host: int = 1,
 ) -> list[str]:
-    """Run ``script args`` under torchrun, one node per host (one process each, node 0 on the
-    first host's address); ``started(nodes)`` is called once they are launched. Returns their
-    output; fails the test, with every node's output, unless every node exits 0."""
+    """Run ``script args`` under torchrun, one node per host (``per_host`` processes each, node
+    0 on the first host's address); ``started(nodes)`` is called once they are launched. Returns
+    their output; fails the test, with every node's output, unless every node exits 0."""
     import sys
 
     nodes = [
         host.popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
-                    "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr",
+                    "--node-rank", str(rank), "--nproc-per-node", str(per_host), "--master-addr",
                     hosts[0].addr, "--master-port", str(port), script, *args], env=env,
                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for rank, host in enumerate(hosts)

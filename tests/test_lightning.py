@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,7 +18,7 @@ import torch
 from cgroups import cpu_cgroup, throttled_periods
 from exact import Reference
 from helpers import check_balanced_batches
-from netns import two_hosts
+from netns import torchrun_nodes, two_hosts
 from test_examples import run
 from torch import nn
 
@@ -175,18 +174,6 @@ def test_the_strategy_s_balance_must_be_a_bool_or_none():
         TowersStrategy(balance=1)  # type: ignore[arg-type]
 
 
-def node(host, master, rank: int, out: Path) -> subprocess.Popen[str]:
-    """torchrun on ``host``, node ``rank`` of two, 2 processes of lightning_fit.py with 8
-    samples each."""
-    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-            str(rank), "--nproc-per-node", "2", "--master-addr", master.addr, "--master-port",
-            "29533", str(SCRIPT), "towers", "2", "8", str(out), "2"]  # fmt: skip
-    keep = ("GLOO_", "MASTER_", "TOWERS_", "RANK", "WORLD_SIZE", "LOCAL_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(keep)}
-    env |= {"PYTHONPATH": str(SCRIPT.parents[2] / "src"), "OMP_NUM_THREADS": "1"}
-    return host.popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_trainer_across_two_hosts_under_torchrun_equals_one_device(tmp_path: Path):
@@ -195,19 +182,14 @@ def test_the_trainer_across_two_hosts_under_torchrun_equals_one_device(tmp_path:
     levels: shared memory within a host, Gloo between them). The fit equals one device's on
     global batches of 32, and its logged loss is one device's mean."""
     out = tmp_path / "fit.pt"
-    with two_hosts(own=True) as (a, b):
-        nodes = [node(a, a, 0, out), node(b, a, 1, out)]
-        logs = []
-        for started in nodes:
-            try:
-                logs.append(started.communicate(timeout=200)[0])
-            finally:
-                if started.poll() is None:
-                    started.kill()
-                    started.communicate()
-        for started, log in zip(nodes, logs, strict=True):
-            assert started.returncode == 0, log[-3000:]
-            assert "terminate called" not in log, log[-3000:]
+    keep = ("GLOO_", "MASTER_", "TOWERS_", "RANK", "WORLD_SIZE", "LOCAL_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(keep)}
+    env |= {"PYTHONPATH": str(SCRIPT.parents[2] / "src"), "OMP_NUM_THREADS": "1"}
+    args = ["towers", "2", "8", str(out), "2"]  # 2 processes a host, 8 samples each, 2 nodes
+    with two_hosts(own=True) as hosts:
+        logs = torchrun_nodes(hosts, str(SCRIPT), args, 29533, env, 200, per_host=2)
+    for log in logs:
+        assert "terminate called" not in log, log[-3000:]
     saved = torch.load(out)
     reference, loss = one_device(global_batch=32)
     reference.check(saved["model"], "Trainer(strategy='towers', devices=2, num_nodes=2)")
