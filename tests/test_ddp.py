@@ -353,5 +353,8 @@ def test_the_batch_sampler_in_a_job_of_one_deals_the_order_in_batches(job_of_one
 def test_the_batch_sampler_s_bad_arguments_are_named(job_of_one):
     with pytest.raises(ValueError, match=r"batch_size must be a positive int, got 0"):
         dist.DistributedBatchSampler(list(range(4)), 0)
-    with pytest.raises(TypeError, match=r"balance must be True, False or None, got 'yes'"):
+    with pytest.raises(
+        TypeError,
+        match=r"balance must be True, False or None \(on where it keeps results exact\), got 'yes'",
+    ):
         dist.DistributedBatchSampler(list(range(4)), 2, balance="yes")  # type: ignore[arg-type]

@@ -170,7 +170,10 @@ def test_a_worker_in_a_capped_cpu_cgroup_gets_the_smaller_share_under_lightning(
 def test_the_strategy_s_balance_must_be_a_bool_or_none():
     from towers.lightning import TowersStrategy
 
-    with pytest.raises(TypeError, match=r"balance must be True, False or None, got 1"):
+    with pytest.raises(
+        TypeError,
+        match=r"balance must be True, False or None \(on where it keeps results exact\), got 1",
+    ):
         TowersStrategy(balance=1)  # type: ignore[arg-type]
 
 

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, default_collate
 from torch.utils.data import distributed as torch_distributed
 
 from . import ddp
-from .api.balance import choose_balance
+from .api.balance import check_balance, choose_balance
 from .api.ddp import join_all
 from .core.launch import TRANSPORT
 from .core.transport import Transport
@@ -237,8 +237,7 @@ class TowersStrategy(DDPStrategy):
         balance: bool | None = False,
         **kwargs: Any,
     ):
-        if balance is not None and not isinstance(balance, bool):
-            raise TypeError(f"balance must be True, False or None, got {balance!r}")
+        check_balance(balance)
         super().__init__(**kwargs)
         self._towers = _Options(mode, compress, outer_optimizer, transport)
         self._balance = balance

@@ -30,7 +30,7 @@ from torch import nn
 from ..core.compat import uneven_split_refusal
 from ..core.modes import Engine, Mode
 
-__all__ = ["choose_balance", "unbalanced_because"]
+__all__ = ["check_balance", "choose_balance", "unbalanced_because"]
 
 
 def unbalanced_because(
@@ -71,6 +71,15 @@ def unbalanced_because(
     return None
 
 
+def check_balance(balance: Any) -> None:
+    """``TypeError`` unless ``balance`` is ``True``, ``False`` or ``None``."""
+    if balance is not None and not isinstance(balance, bool):
+        raise TypeError(
+            f"balance must be True, False or None (on where it keeps results exact), got "
+            f"{balance!r}"
+        )
+
+
 def choose_balance(
     balance: Any, mode: Mode | None, towers: int, because: str | None, where: str, rank: int
 ) -> bool:
@@ -80,11 +89,7 @@ def choose_balance(
         TypeError: ``balance`` is not ``True``, ``False`` or ``None``.
         ValueError: ``balance=True`` with an asynchronous mode.
     """
-    if balance is not None and not isinstance(balance, bool):
-        raise TypeError(
-            f"balance must be True, False or None (on where it keeps results exact), got "
-            f"{balance!r}"
-        )
+    check_balance(balance)
     if mode is not None and mode.engine is not Engine.SYNC:
         if balance:
             raise ValueError(

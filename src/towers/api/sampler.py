@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset, distributed
 
 from ..core.balance import split_sizes
-from .balance import choose_balance
+from .balance import check_balance, choose_balance
 from .ddp import batch_size_seen, context, join_all, weigh_micro_batches, wrapped_state
 
 __all__ = ["DistributedBatchSampler", "DistributedSampler"]
@@ -145,8 +145,7 @@ class DistributedBatchSampler:
     ):
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if balance is not None and not isinstance(balance, bool):
-            raise TypeError(f"balance must be True, False or None, got {balance!r}")
+        check_balance(balance)
         job = context()
         self.dataset, self.batch_size = dataset, batch_size
         self.shuffle, self.seed, self.drop_last, self.balance = shuffle, seed, drop_last, balance
