@@ -25,6 +25,17 @@ from .ddp import batch_size_seen, context, join_all, weigh_micro_batches, wrappe
 __all__ = ["DistributedBatchSampler", "DistributedSampler"]
 
 
+def epoch_order(dataset: Dataset[Any], shuffle: bool, seed: int, epoch: int) -> list[int]:
+    """The dataset's indices in an epoch's order: torch's ``DistributedSampler``'s permutation
+    of ``seed + epoch`` (or as they are, unshuffled)."""
+    n = len(dataset)  # type: ignore[arg-type]
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
 class DistributedSampler(distributed.DistributedSampler):
     """``torch.utils.data.distributed.DistributedSampler``'s interface: this rank's indices of
     each epoch, every sample once (``drop_last=True``: the first ``N - N % world`` of the
@@ -76,14 +87,7 @@ class DistributedSampler(distributed.DistributedSampler):
         return total - tail if (self.batch_drop_last or tail < world) else total
 
     def __iter__(self) -> Iterator[int]:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
-        return self._deal(order)
+        return self._deal(epoch_order(self.dataset, self.shuffle, self.seed, self.epoch))
 
     def _deal(self, order: list[int]) -> Iterator[int]:
         """This rank's positions of ``order``, rank-strided as torch's. What is dealt is
@@ -163,14 +167,6 @@ class DistributedBatchSampler:
         calls ``set_epoch`` at each epoch."""
         return self
 
-    def _order(self) -> list[int]:
-        n = len(self.dataset)  # type: ignore[arg-type]
-        if not self.shuffle:
-            return list(range(n))
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return torch.randperm(n, generator=g).tolist()
-
     def _sizes(self, samples: int) -> list[int]:
         """Every rank's part of a global batch of ``samples``: balanced, or even."""
         state = wrapped_state()
@@ -187,7 +183,8 @@ class DistributedBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         weigh_micro_batches()
-        order, world = self._order(), self.num_replicas
+        order = epoch_order(self.dataset, self.shuffle, self.seed, self.epoch)
+        world = self.num_replicas
         step = self.batch_size * world
         for start in range(0, len(order), step):
             samples = min(step, len(order) - start)
