@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, default_collate
 from torch.utils.data import distributed as torch_distributed
 
 from . import ddp
-from .api.balance import check_balance, choose_balance
+from .api.balance import COLLATE_FN, check_balance, choose_balance
 from .api.ddp import join_all
 from .core.launch import TRANSPORT
 from .core.transport import Transport
@@ -142,13 +142,7 @@ def _balanceable(loader: DataLoader, balance: bool | None, sampler: Any) -> bool
     so in one line."""
     if type(loader) is not DataLoader or loader.batch_size is None:
         return False  # a loader of another class, or batches of its own: as it is
-    because = None
-    if loader.collate_fn is not default_collate:
-        because = (
-            "the loader's collate_fn may pad or pack the samples of the batch it is given, so "
-            "the shares could change the result (balance=True if yours treats every sample "
-            "alone)"
-        )
+    because = None if loader.collate_fn is default_collate else COLLATE_FN
     world, rank = sampler.num_replicas, sampler.rank
     return choose_balance(balance, None, world, because, "TowersStrategy", rank)
 

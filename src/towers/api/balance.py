@@ -30,7 +30,13 @@ from torch import nn
 from ..core.compat import uneven_split_refusal
 from ..core.modes import Engine, Mode
 
-__all__ = ["check_balance", "choose_balance", "unbalanced_because"]
+__all__ = ["COLLATE_FN", "check_balance", "choose_balance", "unbalanced_because"]
+
+# why a collate_fn keeps the split even (towers.train's, and a Lightning training loader's)
+COLLATE_FN = (
+    "a collate_fn may pad or pack the samples of the shard it is given, so the shard sizes "
+    "could change the result (pass balance=True if yours treats every sample alone)"
+)
 
 
 def unbalanced_because(
@@ -58,11 +64,7 @@ def unbalanced_because(
             "batch and allows it)"
         )
     if collate_fn is not None:
-        return (
-            "a collate_fn may pad or pack the samples of the shard it is given, so the shard "
-            "sizes could change the result (pass balance=True if yours treats every sample "
-            "alone)"
-        )
+        return COLLATE_FN
     if cuda:
         return (
             "on GPUs a tower's time on the host measures how fast it queues kernels, not how "
