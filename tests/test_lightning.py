@@ -128,11 +128,15 @@ def balanced_fit(out: Path, *cgroup: str) -> tuple[list[float], ModuleType]:
     spec = importlib.util.spec_from_file_location("lightning_balanced", BALANCED)
     assert spec is not None and spec.loader is not None
     job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
+    sys.path.insert(0, str(BALANCED.parent))  # for its import of ddp_balanced
+    try:
+        spec.loader.exec_module(job)
+    finally:
+        sys.path.remove(str(BALANCED.parent))
     saved = [torch.load(out / f"rank-{r}.pt") for r in range(2)]
     global_batches = []  # each epoch's order: seed 0 + epoch (set_epoch reached the sampler)
     for epoch in range(job.EPOCHS):
-        order = torch.randperm(job.SAMPLES, generator=torch.Generator().manual_seed(epoch))
+        order = torch.randperm(len(job.dataset()), generator=torch.Generator().manual_seed(epoch))
         global_batches += list(order.split(2 * job.BATCH))
     net = job.make_wide_net if cgroup else job.make_net
     sums = check_balanced_batches(saved, global_batches, job.dataset(), net, lr=job.LR)
@@ -150,7 +154,8 @@ def test_a_balanced_trainer_gives_the_slower_rank_less_and_equals_one_device(tmp
     rows = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().split()
     logged = [float(row.split(",")[2]) for row in rows[1:]]
     per_epoch = len(sums) // job.EPOCHS
-    expected = [sum(sums[e * per_epoch : (e + 1) * per_epoch]) / job.SAMPLES for e in (0, 1)]
+    samples = len(job.dataset())
+    expected = [sum(sums[e * per_epoch : (e + 1) * per_epoch]) / samples for e in (0, 1)]
     assert logged == pytest.approx(expected, rel=1e-5), (logged, expected)
     assert list((tmp_path / "tb" / "version_0").glob("events.out.tfevents.*"))
 

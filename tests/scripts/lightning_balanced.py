@@ -16,24 +16,15 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.nn as nn
+from ddp_balanced import BATCH, EPOCHS  # the drop-in's balanced test: its data and net
+from ddp_balanced import data as dataset
+from ddp_balanced import make_model as make_net
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from towers.lightning import TowersStrategy
 
-SAMPLES, BATCH, LR, EPOCHS = 2903, 48, 0.05, 2
-
-
-def dataset() -> TensorDataset:
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(SAMPLES, 6, generator=g)
-    y = x[:, :2] * 0.5 - x[:, 2:4] + 0.1 * torch.randn(SAMPLES, 2, generator=g)
-    return TensorDataset(x, y, torch.arange(SAMPLES))
-
-
-def make_net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+LR = 0.05
 
 
 def make_wide_net() -> nn.Module:
