@@ -194,7 +194,7 @@ def run_ddp(p: Problem, kind: str, steps: int, every: int) -> dict[str, Any]:
         TensorDataset(*p.data), batch_size=p.batch, shuffle=True,
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
-    times, counts, evals, batches = [], [], [], iter(())
+    record, batches = new_record(), iter(())
     dist.barrier()
     start = time.perf_counter()
     for k in range(1, steps + 1):
@@ -206,15 +206,29 @@ def run_ddp(p: Problem, kind: str, steps: int, every: int) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         p.loss(ddp, shard).backward()
         opt.step()
-        if rank == 0 and (k % every == 0 or k == steps):
-            with torch.no_grad():
-                evals.append((k, float(p.loss(ddp.module, p.held))))
-        tick(k)
-        times.append(time.perf_counter() - start)
-        counts.append(TICKS[k][1] if rank == 0 else 0)
+        stepped(record, k, start, p, ddp.module, every, steps, rank)
     dist.barrier()
     dist.destroy_process_group()
-    return {"times": times, "bytes": counts, "evals": evals, "losses": []}
+    return record
+
+
+def new_record() -> dict[str, Any]:
+    """An arm's record of a loop of its own, filled by :func:`stepped`."""
+    return {"times": [], "bytes": [], "evals": [], "losses": []}
+
+
+def stepped(
+    record: dict[str, Any], k: int, start: float, p: Problem, model: torch.nn.Module,
+    every: int, steps: int, rank: int,
+) -> None:  # fmt: skip
+    """Global batch ``k`` is done (the loop began at ``start``): its time and bytes, and rank
+    0's held-out loss every ``every`` global batches and at the last."""
+    if rank == 0 and (k % every == 0 or k == steps):
+        with torch.no_grad():
+            record["evals"].append((k, float(p.loss(model, p.held))))
+    tick(k)
+    record["times"].append(time.perf_counter() - start)
+    record["bytes"].append(TICKS[k][1] if rank == 0 else 0)
 
 
 def run_lightning(p: Problem, arm: dict[str, Any], steps: int, every: int) -> dict[str, Any]:
@@ -227,7 +241,7 @@ def run_lightning(p: Problem, arm: dict[str, Any], steps: int, every: int) -> di
 
     os.environ["GLOO_SOCKET_IFNAME"] = LINK
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    record: dict[str, Any] = {"times": [], "bytes": [], "evals": [], "losses": []}
+    record = new_record()
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -247,13 +261,7 @@ def run_lightning(p: Problem, arm: dict[str, Any], steps: int, every: int) -> di
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
-            k = trainer.global_step
-            if rank == 0 and (k % every == 0 or k == steps):
-                with torch.no_grad():
-                    record["evals"].append((k, float(p.loss(module.model, p.held))))
-            tick(k)
-            record["times"].append(time.perf_counter() - self.start)
-            record["bytes"].append(TICKS[k][1] if rank == 0 else 0)
+            stepped(record, trainer.global_step, self.start, p, module.model, every, steps, rank)
 
     kind = arm["lightning"]
     trainer = pl.Trainer(
