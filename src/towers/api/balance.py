@@ -28,6 +28,7 @@ from typing import Any
 from torch import nn
 
 from ..core.compat import uneven_split_refusal
+from ..core.devices import KINDS
 from ..core.modes import Engine, Mode
 
 __all__ = ["COLLATE_FN", "check_balance", "choose_balance", "unbalanced_because"]
@@ -43,11 +44,12 @@ def unbalanced_because(
     model: nn.Module,
     sync_batchnorm: bool,
     collate_fn: Any,
-    cuda: bool,
+    device: str,
     mode: Mode | None = None,
     transform: Any = None,
 ) -> str | None:
-    """Why an uneven split could change this job's result, or ``None`` if it cannot."""
+    """Why an uneven split could change this job's result, or ``None`` if it cannot
+    (``device``: the workers' kind, ``"cpu"`` or ``"cuda"``)."""
     why = None if mode is None else uneven_split_refusal(mode)
     if why is not None:
         return why
@@ -65,12 +67,7 @@ def unbalanced_because(
         )
     if collate_fn is not None:
         return COLLATE_FN
-    if cuda:
-        return (
-            "on GPUs a tower's time on the host measures how fast it queues kernels, not how "
-            "fast its GPU runs them"
-        )
-    return None
+    return KINDS[device].untimed
 
 
 def check_balance(balance: Any) -> None:

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from ..core.args import check_timeout
+from ..core.compat import server_refusal
 from ..core.data import batches_per_epoch
 from ..core.launch import Launch, read_launch
 from ..core.modes import Engine, Mode, parse_mode
@@ -110,12 +111,15 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     if not launched and (workers > 1 or mode.servers or args["max_restarts"]):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
     check_elastic(args["elastic"], mode, transport, launch)
+    refused = server_refusal(mode, transport)  # the parameter server messages, it sums nothing
+    if refused is not None:
+        raise ValueError(refused)
     shard_optimizer = refuse_sharding(args["shard_optimizer"], str(mode), args["elastic"])
     least = check_min_workers(args["min_workers"], workers, args["elastic"])
     placement = train_placement(args["device"], mode, workers, launch, transport, args["elastic"])
     transform = reduction(args["transform"], args["compress"], model, mode)
     because = unbalanced_because(
-        model, args["sync_batchnorm"], args["collate_fn"], placement.cuda, mode, transform
+        model, args["sync_batchnorm"], args["collate_fn"], placement.kind, mode, transform
     )
     balance = choose_balance(args["balance"], mode, workers, because, "towers.train", launch.rank)
     job = Job(

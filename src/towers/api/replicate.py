@@ -67,8 +67,7 @@ def prepare(
     world, rank = (1, -1) if group.joining else (group.comm.world_size, group.comm.rank)
     announce_outer(parsed, outer_optimizer, world, "ctx.replicate", rank)
     reduced = reduction(transform, compress, model, parsed)
-    cuda = group.device.type == "cuda"
-    because = unbalanced_because(model, sync_batchnorm, None, cuda, parsed, reduced)
+    because = unbalanced_because(model, sync_batchnorm, None, group.device.type, parsed, reduced)
     towers = max(world, 2) if group.elastic else world
     balanced = choose_balance(balance, parsed, towers, because, "ctx.replicate", rank)
     if sync_batchnorm:

@@ -23,8 +23,9 @@ from ..core.transport import Transport
 from . import protocol
 from .base import Comm, DistComm, LocalComm, PeerFailure
 from .graves import Graves
-from .group import DEFAULT_TIMEOUT, shm_or_group
+from .group import DEFAULT_TIMEOUT
 from .membership import Membership
+from .transports import build
 
 __all__ = ["ElasticConnection"]
 
@@ -89,11 +90,13 @@ class ElasticConnection:
             raise PeerFailure(f"generation {self.generation} could not form: {exc}") from None
 
     def _transport(self, base: DistComm) -> Comm:
-        if self.hosts:  # never shared memory across hosts
-            if self.transport is Transport.SHM:
-                raise RuntimeError("transport='shm' is not available across hosts: use 'gloo'")
+        if self.hosts:  # never a transport of one host across hosts
+            if self.transport.one_host:
+                raise RuntimeError(
+                    f"transport={self.transport.name!r} is not available across hosts: use 'gloo'"
+                )
             return base
-        return shm_or_group(base, self.transport, self.timeout, self.membership.interrupt)
+        return build(base, self.transport, self.timeout, self.membership.interrupt)
 
     def _abandon(self) -> None:
         # A broken group's pending work is dropped, not waited on (comm/graves.py): its work

@@ -16,7 +16,6 @@ hosts belongs on a trusted network (docs/reliability.md, threat model).
 from __future__ import annotations
 
 import gc
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -33,8 +32,8 @@ from .hierarchy import by_host, two_levels
 from .net import is_loopback
 from .rendezvous import choose_interface, join
 from .segment import host_key
-from .shm import ShmComm, ShmUnavailable
 from .store import check_owner, claim, client_store, host_store, job_store
+from .transports import build
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -169,38 +168,11 @@ def connect(
 
 def choose_transport(base: DistComm, transport: Transport, timeout: float) -> Comm:
     """What sums over ``base``'s ranks: two levels across hosts (``auto``, CPU workers, several
-    hosts and several workers on some), else :func:`shm_or_group`."""
+    hosts and several workers on some), else the transport's own
+    (:func:`towers.comm.transports.build`)."""
     auto = transport is Transport.AUTO
     if auto and base.world_size > 1 and dist.get_backend(base.group) == "gloo":
         hosts = by_host(base.all_gather_object(host_key()))
         if len(hosts) > 1:
             return two_levels(base, hosts, timeout)
-    return shm_or_group(base, transport, timeout)
-
-
-def shm_or_group(
-    base: DistComm,
-    transport: Transport,
-    timeout: float,
-    interrupt: threading.Event | None = None,
-) -> Comm:
-    """Shared memory when asked for, or when ``auto`` and it applies; else the process group.
-
-    ``interrupt`` (elastic jobs) lets a waiting shared-memory collective be interrupted.
-    """
-    if transport in (Transport.GLOO, Transport.NCCL) or base.world_size == 1:
-        return base
-    gloo = dist.get_backend(base.group) == "gloo"
-    if transport is Transport.AUTO and not gloo:
-        return base
-    if transport is Transport.SHM and not gloo:
-        raise ValueError(
-            f"transport='shm' averages CPU tensors; this job runs on "
-            f"{dist.get_backend(base.group)} (GPU): use transport='auto' or 'nccl'"
-        )
-    try:
-        return ShmComm(base, timeout=timeout, interrupt=interrupt)
-    except ShmUnavailable as exc:
-        if transport is Transport.SHM:
-            raise RuntimeError(f"transport='shm' is not available: {exc}") from None
-        return base
+    return build(base, transport, timeout)

@@ -13,21 +13,25 @@ from __future__ import annotations
 from .modes import Engine, Mode
 from .transport import Transport
 
-__all__ = ["elastic_devices", "elastic_refusal", "uneven_split_refusal"]
+__all__ = ["elastic_devices", "elastic_refusal", "server_refusal", "uneven_split_refusal"]
+
+
+def _regroupable() -> list[Transport]:
+    """The registered transports an elastic job can regroup over (``auto`` picks one)."""
+    return [t for t in Transport.registered() if t.elastic and t is not Transport.AUTO]
 
 
 def elastic_devices() -> list[str]:
     """The devices an elastic job's workers can compute on: those of the transports it can
     regroup over."""
-    found = []
-    for t in Transport:
-        if t.elastic and t is not Transport.AUTO:
-            found += [d for d in t.devices if d not in found]
+    found: list[str] = []
+    for t in _regroupable():
+        found += [d for d in t.devices if d not in found]
     return found
 
 
 def _elastic_transports() -> str:
-    return " or ".join(t.title for t in Transport if t.elastic and t is not Transport.AUTO)
+    return " or ".join(t.title for t in _regroupable())
 
 
 def elastic_refusal(
@@ -45,11 +49,10 @@ def elastic_refusal(
     devices = elastic_devices()
     runs = f"{how} runs {'/'.join(d.upper() for d in devices)} workers ({_elastic_transports()})"
     if not transport.elastic:
-        named = asked or f"transport={transport.value!r}"
+        named = asked or f"transport={transport.name!r}"
         kind = named.split("=")[0]  # transport=, or a process group's backend=
-        usable = [t for t in Transport if t.elastic and t is not Transport.AUTO]
-        usable = [t for t in usable if kind != "backend" or t.backend]
-        values = " or ".join(repr(t.value) for t in usable)
+        usable = [t for t in _regroupable() if kind != "backend" or t.backend]
+        values = " or ".join(repr(t.name) for t in usable)
         return f"{named}: {runs}; pass {kind}={values}, or {instead} to train on GPUs"
     if device != "auto" and device not in devices:
         choices = " or ".join(repr(d) for d in [*devices, "auto"])
@@ -66,3 +69,19 @@ def uneven_split_refusal(mode: Mode) -> str | None:
             "what each tower learns"
         )
     return None
+
+
+def server_refusal(mode: Mode, transport: Transport) -> str | None:
+    """Why the parameter server's ``mode`` cannot send its messages over ``transport``, or
+    ``None`` if it can: the server and its towers message each other point to point, over
+    their own shared memory on one host or over a process group's backend, and sum nothing."""
+    if mode.engine is not Engine.SERVER:
+        return None
+    if transport is Transport.AUTO or transport is Transport.SHM or transport.backend:
+        return None
+    usable = [t for t in Transport.registered() if t is Transport.SHM or t.backend]
+    return (
+        f"transport={transport.name!r} carries the towers' sums, and in mode {str(mode)!r} a "
+        "parameter server and its towers send each other messages instead: pass transport="
+        f"{' or '.join(repr(t.name) for t in [Transport.AUTO, *usable])}"
+    )

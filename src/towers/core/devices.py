@@ -22,9 +22,38 @@ import torch
 
 from .transport import Transport
 
-__all__ = ["DEVICES", "Placement", "check_device", "moved", "narrow", "place", "visible_gpus"]
+__all__ = [
+    "DEVICES",
+    "KINDS",
+    "DeviceKind",
+    "Placement",
+    "check_device",
+    "moved",
+    "narrow",
+    "place",
+    "visible_gpus",
+]
 
 DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """What a kind of device declares: ``untimed``, why a tower's seconds on the host cannot
+    steer a balanced split there, or ``None`` where they measure its compute."""
+
+    name: str
+    untimed: str | None = None
+
+
+KINDS = {
+    "cpu": DeviceKind("cpu"),
+    "cuda": DeviceKind(
+        "cuda",
+        untimed="on GPUs a tower's time on the host measures how fast it queues kernels, not "
+        "how fast its GPU runs them",
+    ),
+}
 
 
 @dataclass(frozen=True)
