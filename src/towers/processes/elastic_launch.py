@@ -103,17 +103,18 @@ def run_script_nodes(
             file=sys.stderr,
         )
         return 2
-    turned = {w for w in nodes.gone if get_signed(nodes.store, nodes.signer, protocol.refused(w))}
-    if nodes.coordinator and turned:
+    gone = set() if nodes.coordinator is None else nodes.coordinator.gone  # node 0 knows
+    turned = {w for w in gone if get_signed(nodes.store, nodes.signer, protocol.refused(w))}
+    if turned:
         print(
             f"towers run: newcomers {sorted(turned)} were not let in (their nodes said why); "
             "the others trained on",
             file=sys.stderr,
         )
-    if nodes.coordinator and nodes.gone - turned:
+    if gone - turned:
         replaced = min(nodes.store.add(protocol.RESTARTS, 0), max_restarts)
         print(
-            f"towers run: workers {sorted(nodes.gone - turned)} were lost, {replaced} replaced; "
+            f"towers run: workers {sorted(gone - turned)} were lost, {replaced} replaced; "
             "the others trained on",
             file=sys.stderr,
         )

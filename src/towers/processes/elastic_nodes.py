@@ -44,7 +44,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,7 +52,8 @@ from ..comm.membership import Pulse, WatchedStore, clock, open_store, own_client
 from ..comm.store import get_signed
 from ..core.args import nnodes_of, node_timeout_of
 from ..core.secret import JobSecret
-from .elastic_members import Generations, NodeDropped, NodeRefused, serve_store
+from .elastic_coordinator import Coordinator
+from .elastic_members import NodeDropped, NodeRefused, serve_store
 from .elastic_workers import Worker
 from .env import worker_env
 from .lifeline import end_now
@@ -69,8 +69,7 @@ class Nodes:
     node's place in the job and its heartbeat come with :meth:`connect`, not the constructor."""
 
     store: Any  # the job's: hosted here (node 0, the coordinator) or node 0's, watched
-    coordinator: bool
-    generations: Generations  # kept by node 0 only
+    coordinator: Coordinator | None  # node 0's part: the generations, losses and nodes
     joiner: bool  # a node that joins the running job
     local_rank: dict[int, int]  # worker id -> local rank (a joiner's come as it joins)
     first: list[int]  # the workers this node starts with
@@ -96,32 +95,30 @@ class Nodes:
         self.secret = secret  # the workers get it; it signs the membership records
         self.signer = None if secret is None else JobSecret(secret)
         self.running: Mapping[int, Worker] = {}
-        self.away: set[int] = set()  # nodes dropped, until they come back (node 0)
         self.node = -1 if node is None else node  # -1: claimed from node 0's store (_claim)
         self.local_new: set[int] = set()  # this node's replacements
         self.finishing = False  # a worker has finished, here or on another node
-        self.seen = 0  # notices read (node 0)
-        self.gone: set[int] = set()  # every worker lost, job-wide (node 0)
-        self.node_beats: dict[int, tuple[int, float]] = {}
-        self.nodes_done: set[int] = set()
         self.told: set[str] = set()
-        self.launched = time.monotonic()
-        self.watched = set(range(least))  # the nodes node 0 waits for: those in the job
         self._stale: list[Pulse] = []  # pulses replaced on a rejoin, closed again at the end
 
     def connect(self) -> Nodes:
         """Host or reach the job's store, take this node's place and start its heartbeat;
         returns itself. Raises :class:`NodeRefused` (the job does not take this node) or
         ``WorkerError`` (its ``-n`` or ``--nnodes`` differs from node 0's)."""
-        self.store, self.coordinator = self._connect()
-        self.generations = Generations(self.store, self.signer)
+        self.store, hosting = self._connect()
+        self.coordinator = None
+        if hosting:
+            self.coordinator = Coordinator(
+                self.store, self.signer, self.nproc, self.nnodes, self.most, self.silence,
+                self.timeout, f"{self.addr}:{self.port}",
+            )  # fmt: skip
         self._same_width()
         self.joiner = self.node >= self.nnodes
         ids = range(self.node * self.nproc, (self.node + 1) * self.nproc)
         self.local_rank = {} if self.joiner else {wid: wid - ids[0] for wid in ids}
         self.first = self._take_place() if self.joiner else list(self.local_rank)
-        if self.coordinator:
-            self.generations.publish(list(range(self.workers)))
+        if self.coordinator is not None:
+            self.coordinator.start()
         self.pulse = self._pulse()
         return self
 
@@ -159,7 +156,7 @@ class Nodes:
     def _same_width(self) -> None:
         """Every node must start as many workers as node 0 (worker ids depend on it), with the
         same ``--nnodes``; a node that differs stops the job, or, joining, only itself."""
-        if self.coordinator:
+        if self.coordinator is not None:
             self.store.set(protocol.NPROC, f"{self.nproc} {self.span}")
             return
         self.store.wait([protocol.NPROC])
@@ -254,13 +251,13 @@ class Nodes:
         )
 
     def busy(self) -> bool:
-        return self.coordinator and not self.watched <= self.nodes_done
+        return self.coordinator is not None and self.coordinator.busy()
 
     def lost(self, wid: int, at: float, replace: bool) -> int | None:
         n = self.store.add(protocol.NOTICES, 1)
         self.store.set(protocol.notice(n), protocol.Notice(wid, at).dumps())
-        if self.coordinator:
-            self._read_notices()
+        if self.coordinator is not None:
+            self.coordinator.read_notices()
         if not replace or self.finishing:
             return None
         if self.store.add(protocol.RESTARTS, 1) > self.max_restarts:
@@ -274,29 +271,6 @@ class Nodes:
         self.local_rank[new] = local
         self.local_new.add(new)
         return new
-
-    def _read_notices(self) -> None:
-        total = self.store.add(protocol.NOTICES, 0)
-        while self.seen < total:
-            name = protocol.notice(self.seen + 1)
-            if not self.store.check([name]):
-                return  # still being written
-            told = protocol.Notice.loads(self.store.get(name))
-            self.seen += 1
-            self._forget(told.dead, told.at)
-
-    def _forget(self, wid: int, at: float, why: str = "") -> None:
-        if wid not in self.gone:
-            self.gone.add(wid)
-            if why:  # it may still run: tell it, before it can see the generation without it
-                self.store.set(protocol.lost(wid), protocol.Lost(at, why).dumps())
-            self.generations.drop(wid, at)
-
-    def _admit(self) -> None:
-        for new in range(self.workers, self.workers + self.store.add(protocol.IDS, 0)):
-            if new not in self.generations.admitted and new not in self.gone:
-                self.generations.waiting.add(new)
-        self.generations.admit()
 
     def _formed(self, g: int) -> bool:
         members = get_signed(self.store, self.signer, protocol.generation(g, "members"))
@@ -318,7 +292,7 @@ class Nodes:
 
     def tick(self, finishing: bool) -> tuple[list[int], list[int]]:
         self.finishing = self.finishing or finishing
-        if not self.coordinator and self.store.check([protocol.node(self.node, "dropped")]):
+        if self.coordinator is None and self.store.check([protocol.node(self.node, "dropped")]):
             return self._rejoin()
         if self.finishing:
             self._tell(protocol.FINISHING)
@@ -329,16 +303,16 @@ class Nodes:
             raise WorkerError(f"node {abort.node}: {abort.error}", -1, abort.code)
         if not self.running:
             self._tell(protocol.node(self.node, "done"))
-        if self.coordinator:
-            self._read_notices()
-            self._watch_nodes()
+        if self.coordinator is not None:
+            self.coordinator.read_notices()
+            self.coordinator.watch()
         if self.finishing:
             stop = self._latecomers()
             if set(self.running) <= set(stop):  # its last workers are stopped: it is done
                 self._tell(protocol.node(self.node, "done"))
             return stop, []
-        if self.coordinator:
-            self._admit()
+        if self.coordinator is not None:
+            self.coordinator.admit()
         return [], []
 
     def _rejoin(self) -> tuple[list[int], list[int]]:
@@ -376,65 +350,6 @@ class Nodes:
             flush=True,
         )
         return old, new
-
-    def _watch_nodes(self) -> None:
-        now = time.monotonic()
-        for r in range(self.most):
-            if r not in self.watched and self.store.add(protocol.node(r, "beat"), 0) > 0:
-                self.watched.add(r)  # a node joins: node 0 waits for it, and watches it
-                print(f"towers run: node {r} joins the job", file=sys.stderr, flush=True)
-            if r not in self.watched:
-                continue
-            if r in self.away and self.store.check([protocol.node(r, "back")]):
-                self.store.delete_key(protocol.node(r, "back"))  # it rejoins: watch it again
-                self.away.discard(r)
-                self.nodes_done.discard(r)
-                self.node_beats.pop(r, None)
-            if r in self.nodes_done:
-                continue
-            if self.store.check([protocol.node(r, "done")]):
-                self.nodes_done.add(r)
-                continue
-            count = self.store.add(protocol.node(r, "beat"), 0)
-            seen = self.node_beats.get(r)
-            if count == 0 and now - self.launched > self.timeout:
-                raise WorkerError(
-                    f"node {r} never connected to the job's store at {self.addr}:{self.port} "
-                    f"within {self.timeout:g} s: is its towers run started, with the same "
-                    "--master-addr and --master-port, and can its host reach this address?",
-                    -1,
-                    1,
-                )
-            if count == 0:
-                continue
-            if seen is None or seen[0] != count:
-                self.node_beats[r] = (count, now)
-            elif now - seen[1] > self.silence:
-                self._node_lost(r, time.time() - (now - seen[1]))
-
-    def _node_of(self, wid: int) -> int:
-        if wid < self.workers:
-            return wid // self.nproc
-        name = protocol.node_of(wid)
-        return int(self.store.get(name)) if self.store.check([name]) else -1
-
-    def _node_lost(self, r: int, at: float) -> None:
-        """Node ``r``'s launcher is silent: its workers are lost (they die with it, or it stops
-        them if it comes back)."""
-        self.nodes_done.add(r)
-        self.away.add(r)
-        latest, waiting = self.generations.latest, self.generations.waiting
-        lost = [w for w in sorted(set(latest) | waiting) if self._node_of(w) == r]
-        print(
-            f"towers run: node {r}'s launcher has been silent for {self.silence:g} s; its "
-            f"workers {lost} are lost",
-            file=sys.stderr,
-            flush=True,
-        )
-        self.store.set(protocol.node(r, "dropped"), protocol.DroppedNode(at, self.silence).dumps())
-        why = f"node {r}'s towers run was silent for {self.silence:g} s"
-        for wid in lost:
-            self._forget(wid, at, why)
 
     def fail(self, exc: WorkerError) -> None:
         """Tell every node that the job failed (unless it learnt that from another node)."""
