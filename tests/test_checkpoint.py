@@ -202,24 +202,72 @@ def test_own_loop_resumes_under_torchrun_max_restarts(tmp_path):
     Reference.run(plain_loop).check(final, "restarted under torchrun")
 
 
-def test_a_directory_of_the_other_kind_is_refused(tmp_path):
-    model = make_net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def test_an_own_loop_resumes_a_train_checkpoint_and_train_refuses_a_loops(tmp_path):
+    """One layout: ``ctx.load_checkpoint`` continues what ``towers.train`` saved, and ends where
+    one process ends; ``train`` cannot know where a loop's batches stood in its data order."""
+    run(3, workers=1, checkpoint=tmp_path / "train")
     ctx = towers.init()
-    ctx.save_checkpoint(tmp_path / "loop", 3, model, opt)
-    with pytest.raises(ValueError, match=r"holds checkpoints of an own training loop .*, not of "):
-        run(6, workers=1, checkpoint=tmp_path / "loop")
-    run(2, workers=1, checkpoint=tmp_path / "train")
-    with pytest.raises(ValueError, match=r"holds checkpoints of towers.train in sync mode"):
-        ctx.load_checkpoint(tmp_path / "train", model, opt)
+    model = ctx.replicate(make_net())
+    opt = ADAM(model.parameters())
+    schedule = DECAY(opt)
+    assert ctx.load_checkpoint(tmp_path / "train", model, opt, schedule) == (3, {})
+    order = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(*DATA),
+        batch_size=5,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(11),
+    )  # train's order of global batches
+    batches = [tuple(b) for _ in range(2) for b in order][:6]  # an epoch is 5 batches
+    for shard in ctx.shards(batches[3:]):
+        ctx.step(mse(model, shard), opt)
+        schedule.step()
+    Reference.of(
+        make_net(), DATA, batch_size=5, steps=6, optimizer=ADAM, lr_schedule=DECAY, seed=11
+    ).check(model, "train's 3 steps, then an own loop's 3")
+    ctx.save_checkpoint(tmp_path / "loop", 6, model, opt, schedule)
+    with pytest.raises(
+        ValueError,
+        match=r"holds checkpoints of an own training loop .*, not of "
+        r"towers.train in sync mode \(an own loop brings its own batches",
+    ):
+        run(8, workers=1, checkpoint=tmp_path / "loop")
     ctx.close()
+
+
+def test_an_own_loop_refuses_a_checkpoint_of_another_mode(tmp_path):
+    run(4, workers=1, checkpoint=tmp_path)
+    ctx = towers.init()
+    model = ctx.replicate(make_net(), mode="diloco:2")
+    opt = ADAM(model.parameters())
+    with pytest.raises(
+        ValueError,
+        match=r"is of a 'sync' run, this loop replicates its model in "
+        r"mode 'diloco:2'; pass mode='sync' to ctx.replicate",
+    ):
+        ctx.load_checkpoint(tmp_path, model, opt)
+    ctx.close()
+
+
+def _flat(state):
+    """``state`` (today's layout) as version 3 wrote it: its parts side by side at the top;
+    DiLoCo's outer model as ``model``, its own keys under ``diloco``; a loop's without its
+    mode."""
+    flat = {k: v for k, v in state.items() if k not in ("sha256", "replica", "streams", "plan")}
+    replica = state["replica"] or state["plan"]["ranks"][0]["local"]
+    flat |= {k: v for k, v in replica.items() if k != "model"} | state["streams"]
+    if state["plan"]:
+        flat["diloco"] = state["plan"]
+    if state["kind"] == "loop":
+        del flat["mode"]
+    flat["version"] = 3
+    return flat
 
 
 def test_checkpoints_of_the_first_format_are_read(tmp_path):
     """Files written before the header named its kind (format 1) still resume."""
     whole = run(6, workers=1)  # in this process: the resumed run repeats its arithmetic
     run(4, workers=1, checkpoint=tmp_path)
-    state = torch.load(tmp_path / "step-00000004.pt", weights_only=True)
+    state = _flat(torch.load(tmp_path / "step-00000004.pt", weights_only=True))
     old = {k: v for k, v in state.items() if k not in ("kind", "version", "scheduled", "sha256")}
     old["format"] = 1
     old["history"] = old.pop("record")
@@ -266,23 +314,27 @@ def _diloco_loop(directory: Path, steps: range, save_at: int | None) -> dict[str
     return trained
 
 
-def test_own_loop_checkpoints_of_the_previous_layout_resume(tmp_path):
-    """Before version 3 an own loop kept its mode's keys under ``plan`` and its local model as
-    ``model``; such a file resumes as the current layout does."""
+def test_own_loop_checkpoints_of_the_previous_layouts_resume(tmp_path):
+    """Before version 4 a checkpoint's parts lay side by side at the top; before version 3 an
+    own loop kept its mode's keys under ``plan`` and its local model as ``model``. Such files
+    resume as the current layout does."""
     whole = _diloco_loop(tmp_path / "whole", range(8), None)
     _diloco_loop(tmp_path / "new", range(6), save_at=6)  # mid-period: inner steps pending
     resumed = _diloco_loop(tmp_path / "new", range(6, 8), None)
     path = tmp_path / "new" / "step-00000006.pt"
     state = torch.load(path, weights_only=True)
-    assert state["version"] == 3 and "diloco" in state and "plan" not in state
-    state.pop("sha256")
-    plan = {"model": state["model"], "diloco": state.pop("diloco")}
-    state |= {"version": 2, "plan": plan, "model": plan["diloco"]["ranks"][0]["local"]["model"]}
-    state["sha256"] = _checkpoint.digest(state)
-    old = tmp_path / "old"
-    old.mkdir()
-    torch.save(state, old / path.name)
-    from_old = _diloco_loop(old, range(6, 8), None)
+    assert state["version"] == _checkpoint.VERSION and state["replica"] is None
+    three = _flat(state)
+    plan = {"model": three["model"], "diloco": three["diloco"]}
+    two = {k: v for k, v in three.items() if k != "diloco"}
+    two |= {"version": 2, "plan": plan, "model": plan["diloco"]["ranks"][0]["local"]["model"]}
+    for name, old in [("three", three), ("two", two)]:
+        old["sha256"] = _checkpoint.digest(old)
+        (tmp_path / name).mkdir()
+        torch.save(old, tmp_path / name / path.name)
+    from_three = _diloco_loop(tmp_path / "three", range(6, 8), None)
+    from_two = _diloco_loop(tmp_path / "two", range(6, 8), None)
     for name, value in whole.items():  # one process each: the same arithmetic, bit for bit
         assert torch.equal(resumed[name], value), name
-        assert torch.equal(from_old[name], value), name
+        assert torch.equal(from_three[name], value), name
+        assert torch.equal(from_two[name], value), name

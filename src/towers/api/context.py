@@ -390,14 +390,15 @@ class Context:
         optimizer: torch.optim.Optimizer,
         schedule: Any = None,
     ) -> tuple[int, dict[str, Any]]:
-        """Restore the newest readable checkpoint in ``directory``; call on every rank.
+        """Restore the newest readable checkpoint in ``directory`` (``towers.train``'s too, in a
+        synchronous mode); call on every rank.
 
         Returns:
             ``(step, extra)``: the steps already done (0 and ``{}`` if there is no checkpoint,
             so a fresh start and a restart share one code path).
 
         Raises:
-            ValueError: if ``directory`` holds checkpoints of ``towers.train``, not of a loop.
+            ValueError: ``directory`` holds another mode's, or the parameter server's, state.
             RuntimeError: on every rank, if the ranks found different newest checkpoints.
         """
         replica = Replica(model, optimizer, schedule)

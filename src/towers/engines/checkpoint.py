@@ -48,11 +48,22 @@ __all__ = [
     "save_or_warn",
 ]
 
-VERSION = 3
+VERSION = 4
 KINDS = {
     "sync": "towers.train in sync mode",
     "ps": "towers.train in an asynchronous mode (the parameter server)",
     "loop": "an own training loop (Context.save_checkpoint)",
+}
+# why a reader cannot resume another kind's checkpoint, where the reason is not plain
+_UNREADABLE = {
+    ("loop", "sync"): (
+        " (an own loop brings its own batches: its checkpoint does not say where towers.train "
+        "would stand in its data order; ctx.load_checkpoint resumes it, and resumes "
+        "towers.train's too)"
+    ),
+    ("ps", "loop"): " (the parameter server's state is not a synchronous run's)",
+    ("sync", "ps"): " (a synchronous run's state is not the parameter server's)",
+    ("loop", "ps"): " (a synchronous run's state is not the parameter server's)",
 }
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 _PART = re.compile(r"^step-(\d+)\.part-\d+\.pt$")
@@ -271,12 +282,20 @@ def warn_unwritten(directory: str | os.PathLike[str], step: int, why: str) -> No
 def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
     """An older checkpoint in today's schema: version 1 had no kind; before version 3 an own
     loop's checkpoint kept its mode's own keys under ``plan`` (and, in DiLoCo, its local model
-    as ``model``), where ``towers.train``'s keep them at the top."""
-    if state.get("format") == "towers":
-        if state["kind"] == "loop" and state["version"] < 3 and "plan" in state:
-            state = dict(state)
-            state.update(state.pop("plan"))
-        return state
+    as ``model``), where ``towers.train``'s kept them at the top; before version 4 a synchronous
+    run's parts lay side by side at the top (:func:`_nested`)."""
+    if state.get("format") != "towers":
+        state = _first(state)
+    if state["kind"] == "loop" and state["version"] < 3 and "plan" in state:
+        state = dict(state)
+        state.update(state.pop("plan"))
+    if state["kind"] in ("sync", "loop") and state["version"] < 4:
+        state = _nested(state)
+    return state
+
+
+def _first(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint of version 1, which had no kind, with its kind."""
     if state.get("format") != 1:
         raise ValueError("not a towers checkpoint (no format header)")
     state = dict(state)
@@ -290,6 +309,20 @@ def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
         state["record"] = state.pop("history")
         state["scheduled"] = state["step"]
     state["format"], state["version"] = "towers", 1
+    return state
+
+
+def _nested(state: dict[str, Any]) -> dict[str, Any]:
+    """A synchronous run's checkpoint of version 3 or before, whose replica, random streams
+    and plan lay side by side at the top (DiLoCo's outer model as ``model``, replacing the
+    replica's, and its own keys under ``diloco``), with each part under its own key."""
+    state = dict(state)
+    streams = {k: state.pop(k) for k in ("rng", "transform", "cuda_rng") if k in state}
+    own = {k: state.pop(k, None) for k in ("optimizer", "schedule", "scheduled")}
+    plan = state.pop("diloco", None)
+    replica = None if plan is not None else {"model": state["model"], **own}
+    state.update(replica=replica, streams=streams, plan=plan or {})
+    state.setdefault("balance", None)
     return state
 
 
@@ -310,15 +343,18 @@ def _read(path: Path, step: int) -> dict[str, Any]:
             f"written by a newer towers (checkpoint version {state['version']}, this towers "
             f"reads up to {VERSION}); upgrade towers"
         )
-    optimizer = state.get("optimizer")
+    optimizer = (state.get("replica") or {}).get("optimizer")
     if isinstance(optimizer, dict) and "sharded" in optimizer:  # every tower's part, whole
         for rank, sha256 in enumerate(optimizer["sharded"]["parts"]):
             _check_part(path.parent, step, rank, sha256)
     return state
 
 
-def load_latest(directory: str | os.PathLike[str], kind: str) -> dict[str, Any] | None:
-    """The newest readable checkpoint of ``kind`` in ``directory``, or ``None`` if there is none.
+def load_latest(
+    directory: str | os.PathLike[str], kind: str, also: tuple[str, ...] = ()
+) -> dict[str, Any] | None:
+    """The newest readable checkpoint of ``kind`` (or of a kind in ``also``, which the reader
+    resumes too) in ``directory``, or ``None`` if there is none.
 
     A file that cannot be read (truncated, corrupt, or holding objects other than tensors and
     plain values) is skipped with a warning in favour of the previous one. If files exist but
@@ -342,11 +378,13 @@ def load_latest(directory: str | os.PathLike[str], kind: str) -> dict[str, Any] 
                 RuntimeWarning,
                 stacklevel=2,
             )
-        if state["kind"] != kind:
+        if state["kind"] != kind and state["kind"] not in also:
+            theirs = state["kind"]
+            why = _UNREADABLE.get((theirs, kind), "")
             raise ValueError(
                 f"the checkpoint directory {directory} holds checkpoints of "
-                f"{KINDS.get(state['kind'], state['kind'])}, not of {KINDS[kind]}; use "
-                "another directory for this run"
+                f"{KINDS.get(theirs, theirs)}, not of {KINDS[kind]}{why}; use another "
+                "directory for this run"
             )
         return state
     if files:

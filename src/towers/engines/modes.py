@@ -186,7 +186,7 @@ class Diloco(SyncMode):
             )
 
     def check_resumable(self, state: dict[str, Any], workers: int) -> None:
-        saved = len(state["diloco"]["ranks"])
+        saved = len(state["plan"]["ranks"])
         if saved != workers:
             raise ValueError(
                 f"the checkpoint of mode {str(self)!r} holds the parameters and inner optimizer "

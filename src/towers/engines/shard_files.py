@@ -169,7 +169,7 @@ def _save_parts(
     ]
     unseen = comm.broadcast_object(unseen if comm.rank == 0 else None)  # rank 0's view decides
     if not unseen:
-        payload["optimizer"]["sharded"]["parts"] = digests
+        payload["replica"]["optimizer"]["sharded"]["parts"] = digests
         return True
     checkpoint.part_path(directory, step, comm.rank).unlink(missing_ok=True)
     if comm.rank == 0:
@@ -189,7 +189,7 @@ def restore_parts(
     directory: str,
 ) -> None:
     """Give this rank its part of a sharded optimizer state that ``saved`` (a checkpoint) names."""
-    described = saved.get("optimizer")
+    described = (saved.get("replica") or {}).get("optimizer")
     if described is None or "sharded" not in described:
         if sharding is not None and described is not None:
             raise ValueError(

@@ -136,6 +136,7 @@ class Periods:
     """The DiLoCo step plan of one rank; see the module doc."""
 
     reduces = False  # inner steps are each tower's own
+    keeps_replicas = True  # every rank's own model and inner optimizer, in its checkpoint
 
     def __init__(
         self,
@@ -364,7 +365,8 @@ class Periods:
         self._start_from_outer(replica.model)
 
     def checkpoint(self, driver: SyncDriver, replica: Replica) -> dict[str, Any]:
-        """The outer state, the exchange in flight (waited for) and every rank's own state."""
+        """The outer optimizer, the exchange in flight (waited for) and every rank's own state
+        (the outer parameters are the checkpoint's ``model``: what the members share)."""
         assert self.outer_opt is not None
         flight = self.flight
         if flight is not None and flight.work is not None:
@@ -386,10 +388,11 @@ class Periods:
                 "steps": [asdict(s) for s in flight.steps],
                 "buffers": None if flight.buffers is None else flight.buffers.cpu(),
             }
-        state = {"boundary": self.boundary, "outer_optimizer": self.outer_opt.state_dict()}
         return {
-            "model": cpu_state(self._outer()),
-            "diloco": state | {"flight": landed, "ranks": ranks},
+            "boundary": self.boundary,
+            "outer_optimizer": self.outer_opt.state_dict(),
+            "flight": landed,
+            "ranks": ranks,
         }
 
     def restore(self, state: dict[str, Any], driver: SyncDriver, replica: Replica) -> None:
@@ -397,7 +400,7 @@ class Periods:
         # a private copy: a checkpoint sent to local workers lies in memory they all share, and
         # an optimizer loads its state tensors as they are
         state = copy.deepcopy(state)
-        saved = state["diloco"]
+        saved = state["plan"]
         self._outer().load_state_dict(state["model"])
         self.outer_opt.load_state_dict(saved["outer_optimizer"])
         self.boundary = saved["boundary"]

@@ -48,6 +48,7 @@ class StepPlan(Protocol):
     """How a synchronous mode trains; see the module doc."""
 
     reduces: bool  # every step reduces gradients: the loop arms the driver before backward
+    keeps_replicas: bool  # its checkpoint holds every rank's replica (they differ)
 
     def attach(self, model: nn.Module) -> Sequence[int]:
         """Take ``model`` (on its device, before the driver replicates it); returns where the
@@ -108,11 +109,13 @@ class StepPlan(Protocol):
     def adopt(self, state: Any, replica: Replica, newcomer: bool) -> None: ...
 
     def checkpoint(self, driver: SyncDriver, replica: Replica) -> dict[str, Any]:
-        """The plan's part of a checkpoint (a collective: every rank calls it)."""
+        """The plan's part of a checkpoint, saved as its ``plan`` (a collective: every rank
+        calls it)."""
         ...
 
     def restore(self, state: dict[str, Any], driver: SyncDriver, replica: Replica) -> None:
-        """Restore :meth:`checkpoint`'s part (every rank, once the members are formed)."""
+        """Restore :meth:`checkpoint`'s part from the checkpoint ``state`` (its ``plan``, and
+        its ``model``: what the members share), on every rank once the members are formed."""
         ...
 
 
@@ -120,6 +123,7 @@ class EveryStep:
     """``sync``: every global batch is one averaged step of the driver."""
 
     reduces = True
+    keeps_replicas = False
 
     def __init__(self) -> None:
         self._landed: list[Landed] = []

@@ -8,9 +8,10 @@ the run reports (``train``: every step's record; the own loop: the last step's r
 It is the driver's owner (:class:`~towers.engines.sync.driver.Owner`): when an elastic group
 regroups, the member that has done the most sends :meth:`snapshot` and the others
 :meth:`adopt` it; a replacement receives the same, from a live peer. It writes and reads the
-part of a checkpoint both loops share (:meth:`checkpoint`, :meth:`restore`): the replica's
-state at the top, every rank's random streams and transform state, and the plan's own keys
-(DiLoCo: the outer model as ``model``, the inner state of every rank under ``diloco``).
+part of a checkpoint both loops share (:meth:`checkpoint`, :meth:`restore`), each part under a
+key of its own: the model the members share, the replica, every rank's random streams and
+transform state, the plan's own state (DiLoCo: the outer optimizer, every rank's inner state)
+and the balanced split's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 from ...core.balance import Balancer
 from ...core.split import shard_sizes
 from ...core.step import StepResult
-from ..replica import Replica
+from ..replica import Replica, cpu_state
 from ..shard import ShardedState
 from ..shard_files import describe
 from .driver import SyncDriver
@@ -148,16 +149,32 @@ class RunState:
     # -- checkpoints -----------------------------------------------------------------------
 
     def checkpoint(self, driver: SyncDriver, replica: Replica | None = None) -> dict[str, Any]:
-        """The checkpoint's part both loops share (a collective: every rank calls it; rank 0
-        writes it). ``replica``: the model, optimizer and schedule to save (default: the
-        run's)."""
+        """The checkpoint's part both loops share, each part under its own key (a collective:
+        every rank calls it; rank 0 writes it). ``replica``: the model, optimizer and schedule
+        to save (default: the run's).
+
+        - ``model``: the parameters and buffers every member shares, the trained model (sync:
+          the replica's; DiLoCo: the outer ones);
+        - ``replica``: the model, optimizer and schedule (``None`` where the plan keeps every
+          rank's, which differ: DiLoCo's);
+        - ``streams``: every rank's random streams and gradient-transform state;
+        - ``plan``: the mode's own (DiLoCo: the outer optimizer and every rank's inner state);
+        - ``balance``: the balanced split's measured speeds.
+        """
         replica = replica or self._replica()
         streams = driver.gather_streams()
         planned = self.plan.checkpoint(driver, replica)
         own = replica.state(optimizer=self.sharding is None)
         if self.sharding is not None and replica.optimizer is not None:
             own["optimizer"] = describe(self.sharding, replica.optimizer)  # the parts: per rank
-        return {**own, **streams, **planned, "balance": self._balance_state()}
+        shared = self.plan.trained(replica.model)
+        return {
+            "model": own["model"] if shared is replica.model else cpu_state(shared),
+            "replica": None if self.plan.keeps_replicas else own,
+            "streams": streams,
+            "plan": planned,
+            "balance": self._balance_state(),
+        }
 
     def restore(
         self,
@@ -170,8 +187,9 @@ class RunState:
         ``reseed``: the random stream of a rank when the checkpoint has another number of
         ranks (see :meth:`SyncDriver.restore_streams`)."""
         replica = replica or self._replica()
-        replica.load(state)
-        driver.restore_streams(state, reseed)
+        if state["replica"] is not None:
+            replica.load(state["replica"])
+        driver.restore_streams(state["streams"], reseed)
         self.plan.restore(state, driver, replica)
         self._load_balance(state.get("balance"))
 
