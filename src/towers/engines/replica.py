@@ -185,7 +185,7 @@ class Replica:
             self.schedule.step()
             self.scheduled += 1
 
-    def state(self, optimizer: bool = True) -> dict[str, Any]:
+    def state_dict(self, optimizer: bool = True) -> dict[str, Any]:
         """Model, optimizer (unless not ``optimizer``) and schedule state, for a checkpoint."""
         return {
             "model": cpu_state(self.model),
@@ -194,8 +194,8 @@ class Replica:
             "scheduled": self.scheduled,
         }
 
-    def load(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state` (the optimizer's state is copied: an optimizer keeps the
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the optimizer's state is copied: an optimizer keeps the
         tensors it loads, and a checkpoint sent to local workers lies in memory they share)."""
         self.model.load_state_dict(state["model"])
         saved = state.get("optimizer")

@@ -68,7 +68,7 @@ def snapshot(
         "mode": str(job.mode),
         "towers": s.towers,
         "data": _order(job).config,
-        **replica.state(),
+        **replica.state_dict(),
         "updates": s.version,
         "position": {
             "next_step": s.next_step,
@@ -96,7 +96,7 @@ def snapshot(
 
 def restore(s: ServerState, replica: Replica, state: dict[str, Any]) -> None:
     """Load ``state`` (checked by :func:`check_resumable`) into a fresh server's state."""
-    replica.load(state)
+    replica.load_state_dict(state)
     s.version = state["updates"]
     pos = state["position"]
     s.done = s.saved = state["step"]

@@ -372,7 +372,7 @@ class Periods:
         if flight is not None and flight.work is not None:
             self._land(driver, flight)
         mine = {
-            "local": replica.state(),
+            "local": replica.state_dict(),
             "window": [asdict(e) for e in self.window],
             "counts": [asdict(c) for c in self.counts],
         }
@@ -405,7 +405,7 @@ class Periods:
         self.outer_opt.load_state_dict(saved["outer_optimizer"])
         self.boundary = saved["boundary"]
         mine = saved["ranks"][driver.rank]
-        replica.load(mine["local"])
+        replica.load_state_dict(mine["local"])
         self.window = [InnerStep(**e) for e in mine["window"]]
         self.counts = [_Counts(**c) for c in mine["counts"]]
         self.fresh, self.flight = False, None

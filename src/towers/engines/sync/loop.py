@@ -77,11 +77,11 @@ class SyncRecord:
         record.shard_seconds = [list(s) for s in record.shard_seconds]
         return record
 
-    def save(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """As plain data (a :class:`~towers.engines.sync.state.Journal`)."""
         return asdict(self)
 
-    def load(self, saved: dict[str, Any]) -> None:
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Become the record ``saved`` holds (a peer's, after a regroup)."""
         self.__dict__.update(SyncRecord.from_state(saved).__dict__)
 
@@ -159,7 +159,7 @@ class _Run:
         record, the steps done (the rest is :meth:`_restore_state`'s, once the members are
         formed)."""
         self.order.load_state_dict(state["data"])
-        self.record.load(state["record"])
+        self.record.load_state_dict(state["record"])
         # a shorter run's evaluation at its end is not one of this run's
         self.record.evals = [(d, m) for d, m in self.record.evals if due(self.job, d)]
         self.done = state["step"]
@@ -258,7 +258,7 @@ class _Run:
         payload = {
             "mode": str(self.job.mode),
             "data": self.order.state_dict(),
-            "record": self.record.save(),
+            "record": self.record.state_dict(),
             **self.state.checkpoint(self.driver),
         }
         save_checkpoint(

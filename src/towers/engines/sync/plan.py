@@ -171,10 +171,10 @@ class EveryStep:
         return done
 
     def snapshot(self, replica: Replica) -> Any:
-        return replica.state()
+        return replica.state_dict()
 
     def adopt(self, state: Any, replica: Replica, newcomer: bool) -> None:
-        replica.load(state)
+        replica.load_state_dict(state)
 
     def checkpoint(self, driver: SyncDriver, replica: Replica) -> dict[str, Any]:
         return {}

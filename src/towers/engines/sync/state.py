@@ -37,9 +37,9 @@ __all__ = ["Journal", "LastResult", "RunState"]
 class Journal(Protocol):
     """What a run reports, kept alike on every member: plain data out, plain data in."""
 
-    def save(self) -> Any: ...
+    def state_dict(self) -> Any: ...
 
-    def load(self, saved: Any) -> None: ...
+    def load_state_dict(self, saved: Any) -> None: ...
 
 
 class LastResult:
@@ -48,11 +48,11 @@ class LastResult:
     def __init__(self) -> None:
         self.result: StepResult | None = None
 
-    def save(self) -> Any:
+    def state_dict(self) -> Any:
         r = self.result
         return None if r is None else {k: getattr(r, k) for k in r.__dataclass_fields__}
 
-    def load(self, saved: Any) -> None:
+    def load_state_dict(self, saved: Any) -> None:
         self.result = None if saved is None else StepResult(**saved)
 
 
@@ -115,7 +115,7 @@ class RunState:
         state = {
             "steps": self.plan.progress(self.steps),
             "plan": self.plan.snapshot(replica),
-            "journal": self.journal.save(),
+            "journal": self.journal.state_dict(),
             "balance": self._balance_state(),
         }
         if self.replays:
@@ -131,7 +131,7 @@ class RunState:
         self.plan.adopt(state["plan"], replica, self.newcomer)
         if replica.optimizer is None:  # the optimizer a peer's state holds, for the first step
             self._pending = state["plan"].get("optimizer")
-        self.journal.load(state["journal"])
+        self.journal.load_state_dict(state["journal"])
         self._load_balance(state["balance"])
         if self.newcomer:
             self.catch_up = state["steps"]
@@ -164,7 +164,7 @@ class RunState:
         replica = replica or self._replica()
         streams = driver.gather_streams()
         planned = self.plan.checkpoint(driver, replica)
-        own = replica.state(optimizer=self.sharding is None)
+        own = replica.state_dict(optimizer=self.sharding is None)
         if self.sharding is not None and replica.optimizer is not None:
             own["optimizer"] = describe(self.sharding, replica.optimizer)  # the parts: per rank
         shared = self.plan.trained(replica.model)
@@ -188,7 +188,7 @@ class RunState:
         ranks (see :meth:`SyncDriver.restore_streams`)."""
         replica = replica or self._replica()
         if state["replica"] is not None:
-            replica.load(state["replica"])
+            replica.load_state_dict(state["replica"])
         driver.restore_streams(state["streams"], reseed)
         self.plan.restore(state, driver, replica)
         self._load_balance(state.get("balance"))
