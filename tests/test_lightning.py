@@ -205,9 +205,9 @@ def test_the_trainer_across_two_hosts_under_torchrun_equals_one_device(tmp_path:
     assert saved["comm"] == "HierComm"  # towers saw two hosts
 
 
-def diloco_reference(x: torch.Tensor, y: torch.Tensor) -> Reference:
-    """One-process DiLoCo (H=4, SGD with momentum inside) over one epoch's global batches: each
-    rank's rank-strided batches of 16 put together, rank 0's first."""
+def diloco_reference(x: torch.Tensor, y: torch.Tensor, every: int = 4) -> Reference:
+    """One-process DiLoCo (H=``every``, SGD with momentum inside) over one epoch's global
+    batches: each rank's rank-strided batches of 16 put together, rank 0's first."""
     import functools
 
     from test_diloco import derived
@@ -221,7 +221,7 @@ def diloco_reference(x: torch.Tensor, y: torch.Tensor) -> Reference:
     ]
     inner = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     outer, _, _ = derived(fit.make_net(), (x, y), batches=batches, batch_size=32,
-                          steps=len(batches), every=4, workers=2, inner=inner)  # fmt: skip
+                          steps=len(batches), every=every, workers=2, inner=inner)  # fmt: skip
     return outer
 
 
@@ -238,6 +238,45 @@ def test_fabric_with_devices_2_ends_with_one_device_s_parameters(tmp_path: Path)
     assert result.returncode == 0, result.stdout
     reference, _ = one_device(global_batch=32, accumulate=2)
     reference.check(torch.load(out)["model"], "Fabric(strategy='towers', devices=2), accumulating")
+
+
+@pytest.mark.timeout(220)
+def test_fabric_diloco_ends_with_one_process_diloco_after_its_barrier_or_save(tmp_path: Path):
+    """TowersFabricStrategy(mode="diloco:5") in a Fabric loop of one's own: each rank's SGD
+    steps it alone, every 5 steps the outer step, and at the end the last one, of the epoch's
+    last 2 steps, taken by fabric.barrier() or first thing in fabric.save(). The parameters
+    (rank 0's, or the saved ones) are one-process DiLoCo's over the same global batches
+    (without the barrier, rank 0 kept its own inner parameters, 0.115 away)."""
+    x, y = fit_module().dataset().tensors
+    reference = diloco_reference(x, y, every=5)
+    for end in ("barrier", "save"):
+        out = tmp_path / f"{end}.pt"
+        cmd = [sys.executable, str(SCRIPT.parent / "fabric_diloco.py"), str(out), "5", end]
+        result = run(cmd, tmp_path, 100)
+        assert result.returncode == 0, result.stdout
+        reference.check(torch.load(out)["model"], f"diloco:5 under Fabric, ended by {end}")
+
+
+@pytest.mark.timeout(150)
+def test_a_fabric_loop_balances_through_towers_batch_sampler(tmp_path: Path):
+    """tests/scripts/fabric_balanced.py: the training loader takes towers.ddp's
+    DistributedBatchSampler, set up with use_distributed_sampler=False, and rank 1's forward
+    does more work. Rank 0's share of each global batch grows, each step's batches together
+    are the global batch (seed 7 + epoch), and both ranks end with one process's parameters."""
+    script = SCRIPT.parent / "fabric_balanced.py"
+    result = run([sys.executable, str(script), str(tmp_path)], tmp_path, 140)
+    assert result.returncode == 0, result.stdout
+    sys.path.insert(0, str(script.parent))
+    try:
+        import ddp_balanced as job
+    finally:
+        sys.path.remove(str(script.parent))
+    saved = [torch.load(tmp_path / f"rank-{r}.pt") for r in range(2)]
+    global_batches = []
+    for epoch in range(job.EPOCHS):
+        order = torch.randperm(job.SAMPLES, generator=torch.Generator().manual_seed(7 + epoch))
+        global_batches += list(order.split(2 * job.BATCH))
+    check_balanced_batches(saved, global_batches, job.data(), job.make_model, lr=0.05)
 
 
 def test_lightning_options_that_cannot_keep_their_meaning_are_refused_before_ranks_start():
@@ -294,4 +333,10 @@ def test_lightning_options_that_cannot_keep_their_meaning_are_refused_before_ran
         lf.Fabric(strategy=fabric, accelerator="cpu", devices=2, precision="16-true")
     with pytest.raises(ValueError, match=r"transport must be one of auto, shm, gloo, nccl"):
         TowersStrategy(transport="tcp")
+    with pytest.raises(ValueError, match=r"balance=None: TowersFabricStrategy cannot tell a "
+                       r"training loader .* towers.ddp.DistributedBatchSampler\(dataset, "
+                       r"batch_size, shuffle=True, balance=None\)"):  # fmt: skip
+        TowersFabricStrategy(balance=None)
+    with pytest.raises(TypeError, match=r"balance must be True, False or None"):
+        TowersFabricStrategy(balance="yes")
     assert trainer(accelerator="cpu", precision="bf16-mixed").strategy is not None

@@ -48,6 +48,7 @@ from . import ddp
 from .api.balance import COLLATE_FN, check_balance, choose_balance
 from .api.ddp import join_all
 from .core.launch import TRANSPORT
+from .core.modes import parse_mode
 from .core.transport import Transport
 
 __all__ = ["TowersFabricStrategy", "TowersStrategy"]
@@ -297,15 +298,44 @@ class _NoSync(_BackwardSyncControl):
         return module.no_sync()
 
 
+# why Fabric's strategy takes no balance=, and how a Fabric loop balances its split
+FABRIC_BALANCE = (
+    "TowersFabricStrategy cannot tell a training loader from one a loop evaluates on, and a "
+    "balanced split would leave a mean over the ranks' means wrong: give the training loader "
+    "towers.ddp.DistributedBatchSampler(dataset, batch_size, shuffle=True, balance={balance}) "
+    "as its batch_sampler, set it up with fabric.setup_dataloaders(loader, "
+    "use_distributed_sampler=False), and call its set_epoch(epoch) (docs/lightning.md)"
+)
+
+
 class TowersFabricStrategy(FabricDDPStrategy):
     """``Fabric(strategy="towers")``: Fabric's ``DDPStrategy`` with towers' step and sampler,
-    as :class:`TowersStrategy` is the Trainer's; ``compress``, ``transport`` and Fabric's own
-    arguments."""
+    as :class:`TowersStrategy` is the Trainer's; ``mode``, ``compress``, ``outer_optimizer``,
+    ``transport`` and Fabric's own arguments.
 
-    def __init__(self, *, compress: str | None = None, transport: str | None = None, **kwargs: Any):
+    In DiLoCo's modes ``fabric.barrier()`` and ``fabric.save()`` take the outer step of the
+    steps since the last one first: end the loop with either, and every rank holds the outer
+    parameters (the saved ones too). A balanced split comes from the training loader's sampler
+    (:data:`FABRIC_BALANCE`).
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: str = "sync",
+        compress: str | None = None,
+        outer_optimizer: Any = None,
+        transport: str | None = None,
+        balance: bool | None = False,
+        **kwargs: Any,
+    ):
+        check_balance(balance)
+        if balance is not False:
+            raise ValueError(f"balance={balance}: {FABRIC_BALANCE.format(balance=balance)}")
         super().__init__(**kwargs)
-        self._towers = _Options("sync", compress, None, transport)
+        self._towers = _Options(mode, compress, outer_optimizer, transport)
         self._backward_sync_control = _NoSync()
+        self._wrapped: ddp.DistributedDataParallel | None = None
 
     def _configure_launcher(self) -> None:
         _refuse_options(self, None)
@@ -316,7 +346,8 @@ class TowersFabricStrategy(FabricDDPStrategy):
         _join(self, self._timeout, self._towers.transport)
 
     def setup_module(self, module: Any) -> Any:
-        return self._towers.wrap(module)
+        self._wrapped = self._towers.wrap(module)
+        return self._wrapped
 
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
         return _towers_sampler(dataloader)  # type: ignore[return-value]
@@ -326,9 +357,21 @@ class TowersFabricStrategy(FabricDDPStrategy):
     ) -> Any:
         return super().all_reduce(_float_mean(tensor, reduce_op), group, reduce_op)
 
+    def _outer_step(self) -> None:
+        """DiLoCo: the outer step of the steps since the last one, on every rank."""
+        if self._wrapped is not None and getattr(
+            parse_mode(self._towers.mode), "outer_steps", False
+        ):
+            self._wrapped.finish()
+
     def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._outer_step()
         join_all()  # a rank out of batches first takes empty steps beside the others'
         super().barrier(*args, **kwargs)
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        self._outer_step()  # every rank saves (rank 0 writes): the outer parameters
+        super().save_checkpoint(*args, **kwargs)
 
     def get_module_state_dict(self, module: Any) -> dict[str, Any]:
         if isinstance(module, ddp.DistributedDataParallel):
