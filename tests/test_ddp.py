@@ -358,3 +358,77 @@ def test_the_batch_sampler_s_bad_arguments_are_named(job_of_one):
         match=r"balance must be True, False or None \(on where it keeps results exact\), got 'yes'",
     ):
         dist.DistributedBatchSampler(list(range(4)), 2, balance="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(150)
+def test_zero_redundancy_optimizer_shards_adamw_exactly_and_its_whole_state_resumes(tmp_path):
+    """tests/scripts/ddp_zero.py: torch's ZeroRedundancyOptimizer by its name, AdamW with
+    weight decay, on 2 ranks. Each rank holds the state of its part (cut inside the first
+    weight); after 4 steps the state consolidated on rank 0 is one process's AdamW state, in
+    AdamW's own layout, and loaded on every rank (under torchrun) it resumes to one process's
+    parameters after all 7 steps (the last batch short)."""
+    script = ROOT / "tests" / "scripts" / "ddp_zero.py"
+    launch(tmp_path, script, 2, "towers", str(tmp_path), "first")
+    launch(tmp_path, script, 2, "torchrun", str(tmp_path), "resume")
+    job = load_script(script)
+    dataset = job.data()
+    order = torch.randperm(job.SAMPLES, generator=torch.Generator().manual_seed(0))
+    ranks = [order[r::2] for r in range(2)]
+    size = job.BATCH
+    batches = [torch.cat([part[k : k + size] for part in ranks]) for k in range(0, 112, size)]
+    assert len(batches) == 7 and len(batches[-1]) == 11
+
+    def trained(steps: int, dtype: torch.dtype, moments: bool) -> tuple[dict, list[float]]:
+        model = job.make_model().to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=job.LR, weight_decay=job.DECAY)
+        for index in batches[:steps]:
+            x, y = (t.to(dtype) for t in dataset[index])
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return _with_moments(model, opt.state_dict()["state"] if moments else {}), []
+
+    first = torch.load(tmp_path / "first.pt")
+    assert all(float(s["step"]) == 4 for s in first["optimizer"]["state"].values())
+    model = job.make_model()
+    model.load_state_dict(first["model"])
+    got = _with_moments(model, first["optimizer"]["state"])
+    Reference.run(lambda dtype: trained(4, dtype, True)).check(got, "the consolidated state")
+    final = Reference.run(lambda dtype: trained(7, dtype, False))
+    final.check(torch.load(tmp_path / "final.pt"), "resumed from the consolidated state")
+    held = [torch.load(tmp_path / f"held-{r}.pt") for r in range(2)]
+    assert held == [2 * 320, 2 * (578 - 320)]  # exp_avg and exp_avg_sq of each rank's part
+
+
+def test_zero_redundancy_optimizer_s_arguments_that_cannot_hold_are_refused(job_of_one):
+    zero = dist.ZeroRedundancyOptimizer
+    model = dist.DistributedDataParallel(nn.Linear(2, 2))
+    try:
+        with pytest.raises(TypeError, match=r"needs optimizer_class=, a torch\.optim\.Optimizer"):
+            zero(model.parameters(), optimizer_class="adam")
+        with pytest.raises(ValueError, match="shards over the whole job: pass no process_group"):
+            zero(model.parameters(), torch.optim.SGD, process_group=object(), lr=0.1)
+        with pytest.raises(ValueError, match=r"overlap_with_ddp=True steps each bucket inside"):
+            zero(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+        with pytest.raises(ValueError, match="cannot shard Adagrad: towers cuts parameters"):
+            zero(model.parameters(), torch.optim.Adagrad, lr=0.1)
+        with pytest.raises(ValueError, match="wrap the model first, then build the optimizer"):
+            zero(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)
+        opt = zero(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)
+        assert isinstance(opt, torch.optim.Adam) and isinstance(opt, zero)
+        assert opt.state_dict()["state"] == {}  # nothing to consolidate before a step
+        model(torch.randn(4, 2)).sum().backward()
+        opt.step()
+        with pytest.raises(RuntimeError, match=r"call consolidate_state_dict\(to=RANK\) on "):
+            opt.state_dict()
+        opt.consolidate_state_dict(to=0)
+        assert opt.state_dict()["state"][0]["exp_avg"].shape == (2, 2)
+    finally:
+        model.remove_hooks()
+
+
+def _with_moments(model: nn.Module, state: dict[int, dict]) -> dict[str, torch.Tensor]:
+    """A model's parameters and its AdamW moments, by name (state ids in parameter order)."""
+    names = [n for n, _ in model.named_parameters()]
+    moments = {f"{names[i]}.{k}": v for i, s in state.items() for k, v in s.items() if k != "step"}
+    return {**states(model), **moments}

@@ -13,7 +13,9 @@ uneven last batch, ranks with batches of different sizes and ranks that run out 
 steps (``model.join()``) stay exact against one process on the batches put together, and
 towers' options (``compress=``, shared-memory sums on one host, two-level sums across hosts,
 the job's secret) apply. A loader given ``DistributedBatchSampler`` as its ``batch_sampler``
-cuts each global batch in shares that follow the ranks' speeds. See docs/porting.md.
+cuts each global batch in shares that follow the ranks' speeds, and ``ZeroRedundancyOptimizer``
+(torch's name, from ``torch.distributed.optim``) shards the optimizer's state over the ranks.
+See docs/porting.md.
 """
 
 import torch.distributed as _dist
@@ -28,12 +30,14 @@ from .api.ddp import (
     is_initialized,
 )
 from .api.sampler import DistributedBatchSampler, DistributedSampler
+from .api.zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "DistributedBatchSampler",
     "DistributedDataParallel",
     "DistributedSampler",
     "ReduceOp",
+    "ZeroRedundancyOptimizer",
     "all_reduce",
     "barrier",
     "broadcast",

@@ -403,6 +403,8 @@ class DistributedDataParallel(nn.Module):
         if self._steps.micro is not None:
             self._steps.micro.remove()
             self._steps.micro = None
+        if self._steps.state.sharding is not None:  # a ZeroRedundancyOptimizer's
+            self._steps.state.sharding.remove()
         _models.discard(self)
 
 

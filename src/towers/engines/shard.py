@@ -118,8 +118,9 @@ def refuse_sharding(shard_optimizer: Any, mode: str, elastic: bool) -> bool:
 
 
 def refuse_unshardable(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer whose step is not exact on parts of parameters, with the reason."""
-    kind = type(optimizer)
+    """Refuse an optimizer whose step is not exact on parts of parameters, with the reason (a
+    class that adds no step of its own says whose it runs: ``steps_as``)."""
+    kind = getattr(type(optimizer), "steps_as", type(optimizer))
     if kind not in ELEMENTWISE:
         allowed = ", ".join(k.__name__ for k in ELEMENTWISE)
         raise ValueError(
