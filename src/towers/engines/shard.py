@@ -20,7 +20,9 @@ gathering; an optimizer over none of the model's parameters is left alone.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +60,7 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
 shared by the whole parameter, such as the step count): exact when parameters are cut."""
 
 GATHER_ELEMENTS = 1 << 20  # elements per gather call, over all ranks: bounds its buffer
+GATHER_ELEMENTS_GPU = 1 << 26  # on a GPU: fewer, larger calls (256 MiB of float32)
 ALIGN = 64
 """A cut inside a parameter falls on a multiple of this many elements from its start, so that a
 slice is processed by the same vectorised loop as the whole parameter (its tail is the
@@ -351,24 +354,26 @@ class ShardedState:
         width = max(sum(part.size for part in ps) for ps in parts)
         device = self.params[0].device
         lent = self._lent(comm, dtype)
-        step = max(1, GATHER_ELEMENTS // self.world)
+        most = GATHER_ELEMENTS_GPU if device.type == "cuda" else GATHER_ELEMENTS
+        step = max(1, most // self.world)
+        runs = [_Run(ps) for ps in parts]
         for begin in range(0, width, step):
             n = min(step, width - begin)
             if lent is not None:  # shared memory: a sum where only the owner is not zero
                 out = lent[: n * self.world]
                 out.zero_()
                 mine = out[self.rank * n : (self.rank + 1) * n]
-                self._copy(parts[self.rank], mine, begin, out=True)
+                self._copy(runs[self.rank], mine, begin, out=True)
                 comm.all_reduce_sum(out).wait()
                 others = list(range(self.world))  # the owner too: -0.0 arrives as +0.0 everywhere
             else:
                 chunk = torch.zeros(n, dtype=dtype, device=device)
-                self._copy(parts[self.rank], chunk, begin, out=True)
+                self._copy(runs[self.rank], chunk, begin, out=True)
                 out = torch.empty(n * self.world, dtype=dtype, device=device)
                 comm.all_gather(out, chunk).wait()
                 others = [r for r in range(self.world) if r != self.rank]
             for rank in others:
-                self._copy(parts[rank], out[rank * n : (rank + 1) * n], begin, out=False)
+                self._copy(runs[rank], out[rank * n : (rank + 1) * n], begin, out=False)
 
     def _lent(self, comm: Comm, dtype: torch.dtype) -> torch.Tensor | None:
         """A buffer that ``comm`` sums in place (shared memory, on one host), for gathers of
@@ -381,19 +386,30 @@ class ShardedState:
             self._buffers[dtype] = comm.buffer(n, dtype) if usable else None
         return self._buffers[dtype]
 
-    def _copy(self, parts: list[Part], chunk: torch.Tensor, begin: int, *, out: bool) -> None:
+    def _copy(self, run: _Run, chunk: torch.Tensor, begin: int, *, out: bool) -> None:
         """Elements ``[begin, begin + len(chunk))`` of a rank's parts, laid end to end: into
-        ``chunk`` (``out``: this rank's, to send) or from it into the parameters."""
-        at = 0  # where each part starts among the rank's elements
+        ``chunk`` (``out``: this rank's, to send) or from it into the parameters. Only the
+        parts that overlap them are visited (a model of many parameters gathers in many
+        chunks)."""
         end = begin + chunk.numel()
-        for part in parts:
+        for k in range(max(0, bisect.bisect_right(run.starts, begin) - 1), len(run.parts)):
+            at, part = run.starts[k], run.parts[k]
+            if at >= end:
+                break
             lo, hi = max(at, begin), min(at + part.size, end)
             if lo < hi:
                 a = part.start + lo - at
                 flat = self.params[part.index].detach().view(-1)[a : a + hi - lo]
                 there = chunk[lo - begin : hi - begin]
                 (there if out else flat).copy_(flat if out else there)
-            at += part.size
+
+
+class _Run:
+    """A rank's parts laid end to end, with where each starts among its elements."""
+
+    def __init__(self, parts: list[Part]):
+        self.parts = parts
+        self.starts = list(itertools.accumulate((p.size for p in parts[:-1]), initial=0))
 
 
 def _refuse_state_dict(optimizer: torch.optim.Optimizer, *args: Any) -> None:
