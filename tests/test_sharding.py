@@ -9,6 +9,7 @@ the float64-derived bound (tests/exact.py). A checkpoint written by the 3 towers
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import pytest
@@ -408,3 +409,66 @@ def test_a_slice_steps_as_its_whole_parameter_bit_for_bit(dtype):
             each.step()
         # float16 Adam with weight decay overflows to nan in both alike
         assert torch.equal(whole.nan_to_num(), cut.nan_to_num()), kind.__name__
+
+
+def _big() -> nn.Module:
+    """1 M parameters: each of 2 towers' part of AdamW's state is about 4 MB."""
+    torch.manual_seed(0)
+    return nn.Linear(1024, 1024)
+
+
+def _save_at_3_and_6(directory: Path) -> None:
+    ctx = towers.init()
+    model = ctx.replicate(_big(), shard_optimizer=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = [(torch.randn(8, 1024, generator=torch.Generator().manual_seed(k)),) for k in range(6)]
+    for k, (x,) in enumerate(ctx.shards(data)):
+        ctx.step(model(x).square().mean(), opt)
+        if k + 1 in (3, 6):
+            ctx.save_checkpoint(directory, k + 1, model, opt)
+    ctx.close()
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read with read() calls (mapped pages are not counted)."""
+    line = next(x for x in Path("/proc/self/io").read_text().splitlines() if x.startswith("rchar"))
+    return int(line.split()[1])
+
+
+def _resume(directory: Path) -> tuple[int, int, list[str]]:
+    ctx = towers.init()
+    model = ctx.replicate(_big(), shard_optimizer=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    before = _bytes_read()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step, _ = ctx.load_checkpoint(directory, model, opt)
+    read = _bytes_read() - before
+    ctx.close()
+    return step, read, [str(w.message) for w in seen]
+
+
+@pytest.mark.timeout(120)
+def test_an_own_loop_resume_reads_only_the_parts_each_rank_needs(tmp_path):
+    """Each rank checks and opens only the parts of the sharded state that overlap its own
+    (here, with as many towers as saved, its own), and a damaged part found by one rank sends
+    every rank to the checkpoint before, with a warning that names it."""
+    towers.spawn(_save_at_3_and_6, 2, tmp_path, timeout=100)
+    main = (tmp_path / "step-00000006.pt").stat().st_size
+    parts = [(tmp_path / f"step-00000006.part-0000{r}.pt").stat().st_size for r in range(2)]
+    for rank, (step, read, said) in enumerate(towers.spawn(_resume, 2, tmp_path, timeout=100)):
+        assert step == 6 and not said, said
+        # the checkpoint, and its own part (read whole for its sha256, then mapped); not the
+        # other's, which a rank used to read whole as well
+        assert main + parts[rank] <= read < main + parts[rank] + parts[1 - rank] // 2, (
+            rank, read, main, parts,
+        )  # fmt: skip
+    damaged = tmp_path / "step-00000006.part-00001.pt"
+    damaged.write_bytes(damaged.read_bytes()[:-9] + bytes(9))
+    for step, _, said in towers.spawn(_resume, 2, tmp_path, timeout=100):
+        assert step == 3
+        assert any(
+            "step-00000006.part-00001.pt does not match the sha256" in m
+            and "resuming from the previous one" in m
+            for m in said
+        ), said

@@ -39,6 +39,7 @@ from ..core.messages import first_line
 __all__ = [
     "KINDS",
     "VERSION",
+    "check_part",
     "checkpoint_files",
     "digest",
     "estimate_bytes",
@@ -233,7 +234,7 @@ def read_part(directory: str | os.PathLike[str], step: int, rank: int) -> Any:
     )
 
 
-def _check_part(directory: str | os.PathLike[str], step: int, rank: int, sha256: str) -> None:
+def check_part(directory: str | os.PathLike[str], step: int, rank: int, sha256: str) -> None:
     """``ValueError`` unless rank ``rank``'s part of the checkpoint of ``step`` is there, whole."""
     path = part_path(directory, step, rank)
     found = hashlib.sha256()
@@ -326,7 +327,7 @@ def _nested(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _read(path: Path, step: int) -> dict[str, Any]:
+def _read(path: Path, step: int, parts: bool = True) -> dict[str, Any]:
     if path.stat().st_size == 0:
         raise ValueError("the file is empty (0 bytes)")
     state = torch.load(path, map_location="cpu", weights_only=True)
@@ -344,17 +345,27 @@ def _read(path: Path, step: int) -> dict[str, Any]:
             f"reads up to {VERSION}); upgrade towers"
         )
     optimizer = (state.get("replica") or {}).get("optimizer")
-    if isinstance(optimizer, dict) and "sharded" in optimizer:  # every tower's part, whole
+    if parts and isinstance(optimizer, dict) and "sharded" in optimizer:  # every part, whole
         for rank, sha256 in enumerate(optimizer["sharded"]["parts"]):
-            _check_part(path.parent, step, rank, sha256)
+            check_part(path.parent, step, rank, sha256)
     return state
 
 
 def load_latest(
-    directory: str | os.PathLike[str], kind: str, also: tuple[str, ...] = ()
+    directory: str | os.PathLike[str],
+    kind: str,
+    also: tuple[str, ...] = (),
+    *,
+    parts: bool = True,
+    below: int | None = None,
+    problems: tuple[str, ...] = (),
 ) -> dict[str, Any] | None:
     """The newest readable checkpoint of ``kind`` (or of a kind in ``also``, which the reader
     resumes too) in ``directory``, or ``None`` if there is none.
+
+    ``parts=False`` leaves the parts of a sharded optimizer state unchecked (the ranks that read
+    them check their own); ``below``: only checkpoints of earlier steps, after the newer ones
+    had ``problems``.
 
     A file that cannot be read (truncated, corrupt, or holding objects other than tensors and
     plain values) is skipped with a warning in favour of the previous one. If files exist but
@@ -363,17 +374,19 @@ def load_latest(
     Raises:
         ValueError: if the newest readable checkpoint was written by another kind of run.
     """
-    files = checkpoint_files(directory)
-    problems = []
+    files = [(s, p) for s, p in checkpoint_files(directory) if below is None or s < below]
+    found = list(problems)  # the newer ones' (``below``), then each file's that cannot be read
+    newest = None if below is None else Path(directory) / f"step-{below:08d}.pt"
     for step, path in files:
+        newest = newest or path
         try:
-            state = _read(path, step)
+            state = _read(path, step, parts)
         except Exception as exc:
-            problems.append(f"{path.name}: {first_line(exc)}")
+            found.append(f"{path.name}: {first_line(exc)}")
             continue
-        if problems:
+        if found:
             warnings.warn(
-                f"checkpoint {files[0][1]} cannot be read ({'; '.join(problems)}); "
+                f"checkpoint {newest} cannot be read ({'; '.join(found)}); "
                 f"resuming from the previous one, {path}",
                 RuntimeWarning,
                 stacklevel=2,
@@ -387,14 +400,14 @@ def load_latest(
                 "directory for this run"
             )
         return state
-    if files:
+    if found:
         warnings.warn(
-            f"checkpoints in {directory} cannot be read ({'; '.join(problems)})",
+            f"checkpoints in {directory} cannot be read ({'; '.join(found)})",
             RuntimeWarning,
             stacklevel=2,
         )
         raise RuntimeError(
-            f"no checkpoint in {directory} can be read: {'; '.join(problems)}. Remove the "
+            f"no checkpoint in {directory} can be read: {'; '.join(found)}. Remove the "
             "directory to start over, or point checkpoint= elsewhere"
         )
     return None

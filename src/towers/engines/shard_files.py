@@ -33,9 +33,34 @@ def describe(sharding: ShardedState, optimizer: torch.optim.Optimizer) -> dict[s
     for group, params in zip(optimizer.param_groups, groups, strict=True):
         kept = {k: v for k, v in group.items() if k != "params"}
         settings.append({**kept, "params": [sharding.index(p) for p in params]})
+    spans = [[[p.index, p.start, p.stop] for p in parts] for parts in sharding.parts]
     return {
-        "sharded": {"groups": settings, "world": sharding.world, "type": type(optimizer).__name__}
+        "sharded": {
+            "groups": settings,
+            "world": sharding.world,
+            "type": type(optimizer).__name__,
+            "spans": spans,  # each rank's parts: a reader opens only those that overlap its own
+        }
     }
+
+
+def needed_parts(sharding: ShardedState, described: dict[str, Any]) -> list[int]:
+    """The saving ranks whose parts overlap this rank's (every one, for a checkpoint that
+    does not say where its parts lie)."""
+    saved = described["sharded"]
+    spans = saved.get("spans")
+    if spans is None:
+        return list(range(saved["world"]))
+    mine: dict[int, list[Part]] = {}
+    for part in sharding.mine():
+        mine.setdefault(part.index, []).append(part)
+
+    def overlaps(parts: list[list[int]]) -> bool:
+        return any(
+            p.start < stop and start < p.stop for i, start, stop in parts for p in mine.get(i, [])
+        )
+
+    return [rank for rank, parts in enumerate(spans) if overlaps(parts)]
 
 
 def part_state(sharding: ShardedState, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -80,7 +105,7 @@ def load_parts(
         group.update({k: v for k, v in kept.items() if k != "params"})
     held = sharding.hold(optimizer)
     pieces: dict[Part, dict[str, Any]] = {}
-    for rank in range(saved["world"]):
+    for rank in needed_parts(sharding, described):
         for record in parts(rank):
             for part in sharding.owned(record["index"]):
                 _take(pieces, part, record)
@@ -206,3 +231,20 @@ def restore_parts(
     load_parts(
         sharding, optimizer, described, lambda rank: checkpoint.read_part(directory, step, rank)
     )
+
+
+def unreadable_parts(
+    sharding: ShardedState | None, saved: dict[str, Any], directory: str, comm: Comm
+) -> list[str]:
+    """What is wrong with the parts of the checkpoint ``saved`` that the ranks will read, each
+    rank checking only its own (a collective): the same list on every rank, empty if none."""
+    described = (saved.get("replica") or {}).get("optimizer")
+    found = []
+    if sharding is not None and described is not None and "sharded" in described:
+        digests = described["sharded"]["parts"]
+        for rank in needed_parts(sharding, described):
+            try:
+                checkpoint.check_part(directory, saved["step"], rank, digests[rank])
+            except ValueError as exc:
+                found.append(str(exc))
+    return sorted({p for problems in comm.all_gather_object(found) for p in problems})
