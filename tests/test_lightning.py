@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -33,17 +34,22 @@ def fit_module():
     return module
 
 
-def one_device(global_batch: int, accumulate: int = 1) -> tuple[Reference, float]:
+def one_device(
+    global_batch: int, accumulate: int = 1, optimizer_and_schedule: Any = None, keep: Any = None
+) -> tuple[Reference, float]:
     """The plain loop over the global batches, and the mean loss of its last epoch.
     ``accumulate``: micro-batches a step, each one's mean loss divided by their number, as
-    Lightning's ``accumulate_grad_batches`` does (the epochs here hold whole steps)."""
+    Lightning's ``accumulate_grad_batches`` does (the epochs here hold whole steps).
+    ``optimizer_and_schedule``: in place of lightning_fit.py's; ``keep(net, optimizer)``: what
+    the reference holds at the end (default: the trained net)."""
     fit = fit_module()
+    optimizer_and_schedule = optimizer_and_schedule or fit.optimizer_and_schedule
     x, y = fit.dataset().tensors
     last_epoch: list[float] = []
 
     def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
         net = fit.make_net().to(dtype)
-        optimizer, schedule = fit.optimizer_and_schedule(net.parameters())
+        optimizer, schedule = optimizer_and_schedule(net.parameters())
         for epoch in range(fit.EPOCHS):
             order = torch.randperm(fit.SAMPLES, generator=torch.Generator().manual_seed(epoch))
             total = 0.0
@@ -60,7 +66,7 @@ def one_device(global_batch: int, accumulate: int = 1) -> tuple[Reference, float
             schedule.step()
         if dtype == torch.float64:
             last_epoch.append(total / fit.SAMPLES)
-        return net, []
+        return (net if keep is None else keep(net, optimizer)), []
 
     return Reference.run(loop), last_epoch[0]
 
@@ -238,6 +244,40 @@ def test_fabric_with_devices_2_ends_with_one_device_s_parameters(tmp_path: Path)
     assert result.returncode == 0, result.stdout
     reference, _ = one_device(global_batch=32, accumulate=2)
     reference.check(torch.load(out)["model"], "Fabric(strategy='towers', devices=2), accumulating")
+
+
+@pytest.mark.timeout(150)
+def test_a_sharded_adamw_under_the_trainer_checkpoints_whole_and_resumes_as_one_device(tmp_path):
+    """tests/scripts/lightning_zero.py: towers.ddp's ZeroRedundancyOptimizer (AdamW, a schedule,
+    gradients clipped to a norm over the whole model) under Trainer(strategy="towers",
+    devices=2). Lightning consolidates the sharded state into ModelCheckpoint's file: after
+    two epochs, the second resumed from the first's last.ckpt, that file holds one device's
+    AdamW state, and the parameters are one device's."""
+    script = SCRIPT.parent / "lightning_zero.py"
+    result = run([sys.executable, str(script), str(tmp_path)], tmp_path, 140)
+    assert result.returncode == 0, result.stdout
+    sys.path.insert(0, str(script.parent))
+    try:
+        import lightning_zero as job
+    finally:
+        sys.path.remove(str(script.parent))
+
+    def moments(net: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
+        names = [n for n, _ in net.named_parameters()]
+        state = optimizer.state_dict()["state"]
+        kept = {f"{names[i]}.{k}": v for i, s in state.items() for k, v in s.items() if k != "step"}
+        return {**{k: v.detach() for k, v in net.state_dict().items()}, **kept}
+
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    net = fit_module().make_net()
+    net.load_state_dict(torch.load(tmp_path / "zero.pt"))
+
+    class Saved:  # the checkpoint's optimizer state, read as an optimizer's
+        def state_dict(self) -> dict[str, Any]:
+            return checkpoint["optimizer_states"][0]
+
+    reference, _ = one_device(32, optimizer_and_schedule=job.adamw_and_schedule, keep=moments)
+    reference.check(moments(net, Saved()), "a sharded AdamW under TowersStrategy, resumed")
 
 
 @pytest.mark.timeout(220)

@@ -405,6 +405,7 @@ class DistributedDataParallel(nn.Module):
             self._steps.micro = None
         if self._steps.state.sharding is not None:  # a ZeroRedundancyOptimizer's
             self._steps.state.sharding.remove()
+            self._steps.state.sharding = None
         _models.discard(self)
 
 
