@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -398,6 +399,20 @@ def test_zero_redundancy_optimizer_shards_adamw_exactly_and_its_whole_state_resu
     final.check(torch.load(tmp_path / "final.pt"), "resumed from the consolidated state")
     held = [torch.load(tmp_path / f"held-{r}.pt") for r in range(2)]
     assert held == [2 * 320, 2 * (578 - 320)]  # exp_avg and exp_avg_sq of each rank's part
+
+
+@pytest.mark.timeout(120)
+def test_a_join_with_a_sharded_optimizer_stops_every_rank_at_once(tmp_path):
+    """ddp_join.py with ZeroRedundancyOptimizer: rank 1 runs out of batches after two steps.
+    Each tower must step its part at every step, so at the third every rank raises, saying
+    why, instead of waiting for the others (a collective each would never meet)."""
+    script = ROOT / "tests" / "scripts" / "ddp_join.py"
+    args = ["-m", "towers", "run", str(script), "-n", "2", "--", str(tmp_path), "zero"]
+    began = time.monotonic()
+    result = run([sys.executable, *args], tmp_path, timeout=100)
+    assert result.returncode != 0
+    assert "tower(s) 1 ran out of batches while the others trained on" in result.stdout
+    assert time.monotonic() - began < 60  # well within the collectives' 60 s timeout
 
 
 def test_zero_redundancy_optimizer_s_arguments_that_cannot_hold_are_refused(job_of_one):

@@ -1,7 +1,11 @@
 """Ranks with different numbers of steps and micro-batches under ``towers.ddp``: rank 0 takes
 three steps, rank 1 two, inside ``model.join()``; each step accumulates two micro-batches, the
 first under ``no_sync()``, the loss divided by two as DDP scripts do. Every rank saves its
-parameters and optimizer state to ``OUT/rank-R.pt``."""
+parameters and optimizer state to ``OUT/rank-R.pt``. With ``zero``, the optimizer is
+``ZeroRedundancyOptimizer``'s, which a join cannot serve.
+
+    towers run ddp_join.py -n 2 -- OUT [zero]
+"""
 
 import sys
 
@@ -10,6 +14,7 @@ import torch.nn as nn
 
 import towers.ddp as dist
 from towers.ddp import DistributedDataParallel as DDP
+from towers.ddp import ZeroRedundancyOptimizer
 
 # rank -> steps -> micro-batch sizes (equal within a step, as loss / 2 assumes)
 SIZES = {0: [(3, 3), (3, 3), (2, 2)], 1: [(3, 3), (1, 1)]}
@@ -34,7 +39,12 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = DDP(make_model())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if sys.argv[2:] == ["zero"]:
+        optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9
+        )
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with model.join():
         for micro in batches(rank):
             with model.no_sync():

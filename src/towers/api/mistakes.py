@@ -23,6 +23,7 @@ __all__ = [
     "PLAIN_BACKWARD_EMPTY_SHARD",
     "PLAIN_BACKWARD_NO_SHARDS",
     "PLAIN_BACKWARD_SKIPPED",
+    "SHARDED_JOIN",
     "check_sync_batchnorm",
     "has_batchnorm",
     "refuse_distributed_sampler",
@@ -58,6 +59,12 @@ PLAIN_BACKWARD_EMPTY_SHARD = (
     "nan. Give every global batch (every micro-batch drawn for ctx.shard) at least {world} "
     "samples, or take such steps with ctx.backward(loss, samples=n), passing loss=None and "
     "samples=0 on a tower whose shard is empty"
+)
+SHARDED_JOIN = (
+    "tower(s) {towers} ran out of batches while the others trained on (model.join()), and the "
+    "optimizer's state is sharded over the towers (ZeroRedundancyOptimizer): every tower must "
+    "step its part at every step. Give every rank as many batches (towers.ddp's "
+    "DistributedSampler ends the ranks' batches together), or step a whole optimizer"
 )
 PLAIN_BACKWARD_SKIPPED = (
     "step {step} skipped: a gradient was not finite on tower(s) {towers}, so every .grad is "

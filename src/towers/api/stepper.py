@@ -40,6 +40,7 @@ from .mistakes import (
     PLAIN_BACKWARD_EMPTY_SHARD,
     PLAIN_BACKWARD_NO_SHARDS,
     PLAIN_BACKWARD_SKIPPED,
+    SHARDED_JOIN,
 )
 
 __all__ = ["Stepper"]
@@ -198,6 +199,7 @@ class Stepper:
                 self.driver.zero_grad()  # the others' gradient, not this rank's to apply
                 if result.samples == 0:
                     return sat_out
+                self._refuse_sharded_join(result)
                 sat_out += 1
         finally:
             self.joining = False
@@ -248,6 +250,8 @@ class Stepper:
             result = self._complete(None, self._stamp())
         finally:
             self._done()
+        if result.samples > 0:
+            self._refuse_sharded_join(result)
         if result.skipped and not self.warned_skip and self.group.comm.rank == 0:
             self.warned_skip = True
             towers_of = ", ".join(map(str, result.culprits)) or "the sum"
@@ -257,6 +261,13 @@ class Stepper:
                 stacklevel=2,
             )
         self.runner.exchange(final=False)
+
+    def _refuse_sharded_join(self, result: StepResult) -> None:
+        """A step some towers sat out (a join) while the optimizer is sharded: every tower
+        raises at this same step, before any steps its part (each would wait for the others)."""
+        idle = [t for t, n in enumerate(result.tower_samples) if n == 0]
+        if self.state.sharding is not None and idle:
+            raise RuntimeError(SHARDED_JOIN.format(towers=", ".join(map(str, idle))))
 
 
 class _Stepped:
