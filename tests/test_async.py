@@ -415,7 +415,10 @@ def test_a_killed_worker_does_not_stop_training(mode):
     assert r.dead_workers == [1]
     assert r.steps == 80 and all(math.isfinite(x) for x in r.losses)
     assert all(math.isfinite(t) for t in r.times)  # every step completed
-    assert all(math.isnan(losses[1]) for losses in r.tower_losses[-20:])  # it did no more
+    # it computed 24 shards (the 25th killed it) and no more, however late it got to them on a
+    # busy machine: its slot of the last steps was once assumed empty, and was not under load
+    computed = [k for k, losses in enumerate(r.tower_losses) if not math.isnan(losses[1])]
+    assert 0 < len(computed) <= 24 and math.isnan(r.tower_losses[-1][1]), computed
     if mode != "backup:1":  # every shard applied, the dead worker's by the others
         assert len(r.staleness) == 4 * 80 and r.samples == 50 * 80
     else:
