@@ -17,6 +17,7 @@ the step's result (``ctx.last``) has its shard sizes and skips, and its loss is 
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -100,7 +101,9 @@ class Stepper:
         if micro is None or self.alone or not self.state.plan.reduces or self.group.elastic:
             return
         if micro.active or self.kept_local():
-            micro.forward(samples)
+            began = time.perf_counter()
+            micro.forward(samples)  # waits for every rank's forward to reach it
+            self.runner.waited(time.perf_counter() - began)
 
     def kept_local(self) -> bool:
         """A backward now stays on this tower: inside ``no_sync()``, or with nanoGPT's

@@ -88,6 +88,12 @@ class StepRunner:
         if self.began is None:
             self.began = time.perf_counter()
 
+    def waited(self, seconds: float) -> None:
+        """This tower waited ``seconds`` for the others inside its step (an accumulated
+        forward's sum of sizes): not its compute, so not a time the balanced split follows."""
+        if self.began is not None:
+            self.began += seconds
+
     def arm(self) -> None:
         """The next backward is the step's last: reduce its gradients as they arrive, where
         the mode reduces every step."""
