@@ -50,6 +50,7 @@ from .api.ddp import join_all
 from .core.launch import TRANSPORT
 from .core.modes import parse_mode
 from .core.transport import Transport
+from .engines.replica import Replica
 
 __all__ = ["TowersFabricStrategy", "TowersStrategy"]
 
@@ -272,6 +273,32 @@ class TowersStrategy(DDPStrategy):
         join_all()  # a rank out of batches first takes empty steps beside the others'
         super().barrier(*args, **kwargs)
 
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        """DiLoCo: every rank's own state and the outer step's go into the checkpoint (under
+        ``towers``, a collective: Lightning saves on every rank, rank 0 writes), and its
+        ``state_dict`` holds the outer parameters, what the ranks share."""
+        if isinstance(self.model, ddp.DistributedDataParallel) and _keeps_replicas(self.model):
+            towers_state = _run_state(self.model, self._replica(), save=None)
+            checkpoint = {**checkpoint, "towers": towers_state, "state_dict": towers_state["model"]}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        saved = checkpoint.get("towers")
+        if saved is not None and isinstance(self.model, ddp.DistributedDataParallel):
+            _run_state(self.model, self._replica(), save=saved)  # each rank's own state again
+
+    def _replica(self) -> Replica:
+        """The wrapped module with the fit's (first) optimizer and schedule."""
+        assert isinstance(self.model, ddp.DistributedDataParallel)
+        optimizer = self.optimizers[0] if self.optimizers else None
+        configs = (
+            self.lightning_module.trainer.lr_scheduler_configs if self.lightning_module else []
+        )
+        return Replica(self.model.module, optimizer, configs[0].scheduler if configs else None)
+
     def teardown(self) -> None:
         if isinstance(self.model, ddp.DistributedDataParallel):
             self.model.finish()  # DiLoCo's last exchange; else ranks out of batches join
@@ -282,6 +309,24 @@ class TowersStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=DESCRIPTION)
+
+
+def _keeps_replicas(wrapped: ddp.DistributedDataParallel) -> bool:
+    """Whether the ranks' models differ between outer steps (DiLoCo's modes)."""
+    return wrapped._steps.state.plan.keeps_replicas
+
+
+def _run_state(
+    wrapped: ddp.DistributedDataParallel, replica: Replica, save: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The run's state in towers' checkpoint layout (``save=None``: gathered from every rank),
+    or ``save`` restored on every rank, the steps done included (a collective either way)."""
+    state, driver = wrapped._steps.state, wrapped._steps.driver
+    if save is None:
+        return {"steps": state.steps, **state.checkpoint(driver, replica)}
+    state.restore(save, driver, replica)
+    state.steps = save["steps"]
+    return save
 
 
 class _NoSync(_BackwardSyncControl):
