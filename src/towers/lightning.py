@@ -40,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError(
         "towers.lightning needs Lightning: pip install 'towers-dp[lightning]' (lightning>=2.4)"
     ) from exc
+import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, default_collate
 from torch.utils.data import distributed as torch_distributed
@@ -311,6 +312,14 @@ class TowersStrategy(DDPStrategy):
         strategy_registry.register(cls.strategy_name, cls, description=DESCRIPTION)
 
 
+def _replica_in(state: dict[str, Any], strategy: TowersFabricStrategy) -> Replica:
+    """The wrapped module with the optimizer among a Fabric checkpoint's objects (no schedule:
+    a Fabric loop keeps its own)."""
+    assert strategy._wrapped is not None
+    optimizer = next((v for v in state.values() if isinstance(v, torch.optim.Optimizer)), None)
+    return Replica(strategy._wrapped.module, optimizer)
+
+
 def _keeps_replicas(wrapped: ddp.DistributedDataParallel) -> bool:
     """Whether the ranks' models differ between outer steps (DiLoCo's modes)."""
     return wrapped._steps.state.plan.keeps_replicas
@@ -414,9 +423,25 @@ class TowersFabricStrategy(FabricDDPStrategy):
         join_all()  # a rank out of batches first takes empty steps beside the others'
         super().barrier(*args, **kwargs)
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        self._outer_step()  # every rank saves (rank 0 writes): the outer parameters
-        super().save_checkpoint(*args, **kwargs)
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Any = None
+    ) -> None:
+        """DiLoCo: the outer step first (every rank saves, rank 0 writes: the file holds the
+        outer parameters), and every rank's own state beside the loop's, under ``towers``."""
+        self._outer_step()
+        if self._wrapped is not None and _keeps_replicas(self._wrapped):
+            state = {**state, "towers": _run_state(self._wrapped, _replica_in(state, self), None)}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """:meth:`save_checkpoint`'s ``towers`` part restored on every rank, not handed back."""
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        saved = remainder.pop("towers", None)
+        if saved is not None and self._wrapped is not None and isinstance(state, dict):
+            _run_state(self._wrapped, _replica_in(state, self), saved)  # each rank's own again
+        return remainder
 
     def get_module_state_dict(self, module: Any) -> dict[str, Any]:
         if isinstance(module, ddp.DistributedDataParallel):
