@@ -48,6 +48,7 @@ from torch.utils.data import distributed as torch_distributed
 from . import ddp
 from .api.balance import COLLATE_FN, check_balance, choose_balance
 from .api.ddp import join_all
+from .api.runs import keeps_replicas, rebuilt, run_state
 from .core.launch import TRANSPORT
 from .core.modes import parse_mode
 from .core.transport import Transport
@@ -124,7 +125,7 @@ def _towers_sampler(dataloader: object, balance: bool | None = False) -> object:
                 drop_last=dataloader.drop_last,
                 balance=balance,
             )
-            return _rebuilt(dataloader, batches)
+            return rebuilt(dataloader, batches)
         ours = ddp.DistributedSampler(
             sampler.dataset,
             sampler.num_replicas,
@@ -148,24 +149,6 @@ def _balanceable(loader: DataLoader, balance: bool | None, sampler: Any) -> bool
     because = None if loader.collate_fn is default_collate else COLLATE_FN
     world, rank = sampler.num_replicas, sampler.rank
     return choose_balance(balance, None, world, because, "TowersStrategy", rank)
-
-
-def _rebuilt(loader: DataLoader, batches: ddp.DistributedBatchSampler) -> DataLoader:
-    """``loader`` with ``batches`` as its batch sampler, everything else as it was."""
-    return DataLoader(
-        loader.dataset,
-        batch_sampler=batches,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
-    )
 
 
 def _float_mean(tensor: Any, reduce_op: Any) -> Any:
@@ -280,8 +263,8 @@ class TowersStrategy(DDPStrategy):
         """DiLoCo: every rank's own state and the outer step's go into the checkpoint (under
         ``towers``, a collective: Lightning saves on every rank, rank 0 writes), and its
         ``state_dict`` holds the outer parameters, what the ranks share."""
-        if isinstance(self.model, ddp.DistributedDataParallel) and _keeps_replicas(self.model):
-            towers_state = _run_state(self.model, self._replica(), save=None)
+        if isinstance(self.model, ddp.DistributedDataParallel) and keeps_replicas(self.model):
+            towers_state = run_state(self.model, self._replica(), save=None)
             checkpoint = {**checkpoint, "towers": towers_state, "state_dict": towers_state["model"]}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -289,7 +272,7 @@ class TowersStrategy(DDPStrategy):
         super().load_optimizer_state_dict(checkpoint)
         saved = checkpoint.get("towers")
         if saved is not None and isinstance(self.model, ddp.DistributedDataParallel):
-            _run_state(self.model, self._replica(), save=saved)  # each rank's own state again
+            run_state(self.model, self._replica(), save=saved)  # each rank's own state again
 
     def _replica(self) -> Replica:
         """The wrapped module with the fit's (first) optimizer and schedule."""
@@ -318,24 +301,6 @@ def _replica_in(state: dict[str, Any], strategy: TowersFabricStrategy) -> Replic
     assert strategy._wrapped is not None
     optimizer = next((v for v in state.values() if isinstance(v, torch.optim.Optimizer)), None)
     return Replica(strategy._wrapped.module, optimizer)
-
-
-def _keeps_replicas(wrapped: ddp.DistributedDataParallel) -> bool:
-    """Whether the ranks' models differ between outer steps (DiLoCo's modes)."""
-    return wrapped._steps.state.plan.keeps_replicas
-
-
-def _run_state(
-    wrapped: ddp.DistributedDataParallel, replica: Replica, save: dict[str, Any] | None
-) -> dict[str, Any]:
-    """The run's state in towers' checkpoint layout (``save=None``: gathered from every rank),
-    or ``save`` restored on every rank, the steps done included (a collective either way)."""
-    state, driver = wrapped._steps.state, wrapped._steps.driver
-    if save is None:
-        return {"steps": state.steps, **state.checkpoint(driver, replica)}
-    state.restore(save, driver, replica)
-    state.steps = save["steps"]
-    return save
 
 
 class _NoSync(_BackwardSyncControl):
@@ -429,8 +394,8 @@ class TowersFabricStrategy(FabricDDPStrategy):
         """DiLoCo: the outer step first (every rank saves, rank 0 writes: the file holds the
         outer parameters), and every rank's own state beside the loop's, under ``towers``."""
         self._outer_step()
-        if self._wrapped is not None and _keeps_replicas(self._wrapped):
-            state = {**state, "towers": _run_state(self._wrapped, _replica_in(state, self), None)}
+        if self._wrapped is not None and keeps_replicas(self._wrapped):
+            state = {**state, "towers": run_state(self._wrapped, _replica_in(state, self), None)}
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     def load_checkpoint(
@@ -440,7 +405,7 @@ class TowersFabricStrategy(FabricDDPStrategy):
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         saved = remainder.pop("towers", None)
         if saved is not None and self._wrapped is not None and isinstance(state, dict):
-            _run_state(self._wrapped, _replica_in(state, self), saved)  # each rank's own again
+            run_state(self._wrapped, _replica_in(state, self), saved)  # each rank's own again
         return remainder
 
     def get_module_state_dict(self, module: Any) -> dict[str, Any]:
