@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from exact import Reference, as_float64
@@ -131,9 +132,7 @@ def assert_close_lists(got, expected, rtol: float = 1e-5, atol: float = 1e-7):
 
 def elastic_loop_reference(steps: int, batchnorm: bool = False) -> Reference:
     """tests/scripts/elastic_loop.py's training in one plain process, in float32 and float64."""
-    spec = importlib.util.spec_from_file_location("elastic_loop", SCRIPTS / "elastic_loop.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(SCRIPTS / "elastic_loop.py")
 
     def loop(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
         model = script.build(batchnorm).to(dtype)
@@ -257,3 +256,12 @@ def check_balanced_batches(
     for rank, state in enumerate(saved):
         reference.check(state["model"], f"rank {rank}")
     return reference.exact_losses
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script's module, its ``main`` not run."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -8,7 +8,6 @@ batches first join the others under ``towers run``.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 from exact import Reference, states
-from helpers import check_balanced_batches, unused_port
+from helpers import check_balanced_batches, load_script, unused_port
 from test_examples import run
 from torch import nn
 
@@ -36,15 +35,6 @@ TORCH_IMPORTS = (
     "from torch.nn.parallel import DistributedDataParallel as DDP\n"
     "from torch.utils.data.distributed import DistributedSampler\n"
 )
-
-
-def load_script(path: Path) -> ModuleType:
-    """A script's module, its ``main`` not run."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def example() -> ModuleType:

@@ -7,7 +7,6 @@ same global batches when it draws that permutation in chunks of the ranks' total
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 from cgroups import cpu_cgroup, throttled_periods
 from exact import Reference
-from helpers import check_balanced_batches
+from helpers import check_balanced_batches, load_script
 from netns import torchrun_nodes, two_hosts
 from test_examples import run
 from torch import nn
@@ -26,12 +25,8 @@ from torch import nn
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "lightning_fit.py"
 
 
-def fit_module():
-    spec = importlib.util.spec_from_file_location("lightning_fit", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def fit_module() -> ModuleType:
+    return load_script(SCRIPT)
 
 
 def one_device(
@@ -131,12 +126,9 @@ def balanced_fit(out: Path, *cgroup: str) -> tuple[list[float], ModuleType]:
     each global batch, and the script's module."""
     result = run([sys.executable, str(BALANCED), str(out), *cgroup], out, 140)
     assert result.returncode == 0, result.stdout
-    spec = importlib.util.spec_from_file_location("lightning_balanced", BALANCED)
-    assert spec is not None and spec.loader is not None
-    job = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(BALANCED.parent))  # for its import of ddp_balanced
     try:
-        spec.loader.exec_module(job)
+        job = load_script(BALANCED)
     finally:
         sys.path.remove(str(BALANCED.parent))
     saved = [torch.load(out / f"rank-{r}.pt") for r in range(2)]
@@ -256,11 +248,7 @@ def test_a_sharded_adamw_under_the_trainer_checkpoints_whole_and_resumes_as_one_
     script = SCRIPT.parent / "lightning_zero.py"
     result = run([sys.executable, str(script), str(tmp_path)], tmp_path, 140)
     assert result.returncode == 0, result.stdout
-    sys.path.insert(0, str(script.parent))
-    try:
-        import lightning_zero as job
-    finally:
-        sys.path.remove(str(script.parent))
+    job = load_script(script)
 
     def moments(net: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
         names = [n for n, _ in net.named_parameters()]
@@ -339,11 +327,7 @@ def test_a_fabric_loop_balances_through_towers_batch_sampler(tmp_path: Path):
     script = SCRIPT.parent / "fabric_balanced.py"
     result = run([sys.executable, str(script), str(tmp_path)], tmp_path, 140)
     assert result.returncode == 0, result.stdout
-    sys.path.insert(0, str(script.parent))
-    try:
-        import ddp_balanced as job
-    finally:
-        sys.path.remove(str(script.parent))
+    job = load_script(script.parent / "ddp_balanced.py")
     saved = [torch.load(tmp_path / f"rank-{r}.pt") for r in range(2)]
     global_batches = []
     for epoch in range(job.EPOCHS):

@@ -50,7 +50,6 @@ from .api.balance import COLLATE_FN, check_balance, choose_balance
 from .api.ddp import join_all
 from .api.runs import keeps_replicas, rebuilt, run_state
 from .core.launch import TRANSPORT
-from .core.modes import parse_mode
 from .core.transport import Transport
 from .engines.replica import Replica
 
@@ -378,9 +377,7 @@ class TowersFabricStrategy(FabricDDPStrategy):
 
     def _outer_step(self) -> None:
         """DiLoCo: the outer step of the steps since the last one, on every rank."""
-        if self._wrapped is not None and getattr(
-            parse_mode(self._towers.mode), "outer_steps", False
-        ):
+        if self._wrapped is not None and keeps_replicas(self._wrapped):
             self._wrapped.finish()
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
