@@ -1,11 +1,9 @@
 """The low-level API for users who keep their own training loop: ``towers.init()``.
 
-A script written against it runs unchanged as ``python script.py`` (one tower), under
-``towers run script.py -n N``, under ``torchrun --nproc-per-node N script.py`` and under
-``towers run --elastic``. The step itself is the synchronous engine's
-(:class:`~towers.engines.sync.driver.SyncDriver`), the same one ``towers.train`` uses, over the
-job's group (:mod:`towers.engines.sync.group`): a fixed one, or an elastic one that survives
-lost workers.
+A script written against it runs unchanged as ``python script.py`` (one tower), under ``towers
+run``, ``torchrun`` and ``towers run --elastic``. The step is ``towers.train``'s
+(:class:`~towers.engines.sync.driver.SyncDriver`) over the job's group
+(:mod:`towers.engines.sync.group`): a fixed one, or an elastic one that survives lost workers.
 
 Every step checks, inside the metadata it already sends, that all ranks are at the same step
 and, for shards taken with :meth:`Context.shards`, that their global batches have the same size
@@ -163,6 +161,7 @@ class Context:
             owner=self._state,
             mode=ready.mode,
             on_unarmed=self._steps.on_unarmed,
+            defer=False if sharding is not None else None,
         )
         self._steps.attach(driver, model)
         breaks = self._state.plan.attach(model.to(self.device))
@@ -263,16 +262,16 @@ class Context:
         global batch (each tower weighted by its ``samples``, by default the size of its last
         shard from :meth:`shards`), so ``clip_grad_norm_``, a ``GradScaler`` and
         ``optimizer.step()`` work as in one process. If any tower's loss or gradient is not
-        finite the step is skipped: every ``.grad`` is ``None`` on every rank, so
-        ``optimizer.step()`` changes nothing. Clear the gradients (``optimizer.zero_grad()``)
-        before the next step, as in any loop. Every rank must call it once per global batch; a
-        tower with no samples passes ``loss=None, samples=0``. Under autocast, pass the loss
-        as it comes; with float16, pass the ``torch.amp.GradScaler`` as ``scaler`` and give it
-        the unscaled loss: the gradients come out scaled for ``scaler.step(optimizer)``, and a
-        skipped step leaves NaN in every ``.grad`` (not ``None``), so that ``scaler.step``
-        skips and ``scaler.update()`` lowers the scale on every rank alike. Not available under
-        ``towers run --elastic``, where a step interrupted by a lost worker must be redone
-        inside :meth:`step`.
+        finite the step is skipped: every ``.grad`` is ``None`` on every rank (on a GPU, where
+        the step is decided on the device, they hold the sums and the next ``optimizer.step()``
+        is skipped there: docs/gpu.md), so ``optimizer.step()`` changes nothing. Clear the
+        gradients before the next step, as in any loop. Every rank must call it once per
+        global batch; a tower with no samples passes ``loss=None, samples=0``. Under autocast,
+        pass the loss as it comes; with float16, pass the ``torch.amp.GradScaler`` as
+        ``scaler`` and give it the unscaled loss: the gradients come out scaled for
+        ``scaler.step(optimizer)``, and a skipped step leaves NaN in every ``.grad``, so that
+        ``scaler.step`` skips and ``scaler.update()`` lowers the scale on every rank alike. Not
+        under ``towers run --elastic``, where a lost worker's step is redone in :meth:`step`.
 
         Returns:
             The :class:`StepResult` of this step, identical on every rank.
@@ -290,8 +289,10 @@ class Context:
         if not self._state.every_step:
             raise ValueError(BACKWARD_IN_DILOCO)
         result = self._steps.run(loss, samples, None, check_scaler(scaler))
-        if result.skipped and scaler is not None:
-            poison_grads(self._steps.driver.params)
+        if scaler is not None:  # the scaler reads its own flag: no device-side skip
+            self._steps.driver.unguard()
+            if result.skipped:
+                poison_grads(self._steps.driver.params)
         return result
 
     def step(

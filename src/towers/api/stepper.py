@@ -17,6 +17,7 @@ the step's result (``ctx.last``) has its shard sizes and skips, and its loss is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from torch import nn
 from ..comm.hang import calling
 from ..core.agree import BatchStamp
 from ..core.step import StepResult
+from ..core.verdict import when_known
 from ..engines.replica import check_loss
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.group import Group
@@ -149,8 +151,8 @@ class Stepper:
         """The step after its backward: the plan reduces (and applies), the step is counted."""
         result = self.runner.complete(optimizer, stamp=stamp)
         self.last.result = result
-        if result.samples == 0 and not self.joining:
-            raise ValueError(NO_SAMPLES.format(step=self.state.steps - 1))
+        if not self.joining:
+            when_known(result, functools.partial(_some_samples, step=self.state.steps - 1))
         return result
 
     def _done(self) -> None:
@@ -253,17 +255,22 @@ class Stepper:
             result = self._complete(None, self._stamp())
         finally:
             self._done()
+        when_known(result, functools.partial(self._plain_done, step=self.state.steps - 1))
+        self.runner.exchange(final=False)
+
+    def _plain_done(self, result: StepResult, step: int) -> None:
+        """A plain ``loss.backward()``'s step, once its numbers are read: a sharded join is
+        refused, and the first skipped step is said."""
         if result.samples > 0:
             self._refuse_sharded_join(result)
         if result.skipped and not self.warned_skip and self.group.comm.rank == 0:
             self.warned_skip = True
             towers_of = ", ".join(map(str, result.culprits)) or "the sum"
             warnings.warn(
-                PLAIN_BACKWARD_SKIPPED.format(step=self.state.steps - 1, towers=towers_of),
+                PLAIN_BACKWARD_SKIPPED.format(step=step, towers=towers_of),
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self.runner.exchange(final=False)
 
     def _refuse_sharded_join(self, result: StepResult) -> None:
         """A step some towers sat out (a join) while the optimizer is sharded: every tower
@@ -271,6 +278,12 @@ class Stepper:
         idle = [t for t, n in enumerate(result.tower_samples) if n == 0]
         if self.state.sharding is not None and idle:
             raise RuntimeError(SHARDED_JOIN.format(towers=", ".join(map(str, idle))))
+
+
+def _some_samples(result: StepResult, step: int) -> None:
+    """A step the own loop asked for had samples on some tower."""
+    if result.samples == 0:
+        raise ValueError(NO_SAMPLES.format(step=step))
 
 
 class _Stepped:

@@ -337,7 +337,7 @@ class Periods:
             skipped = StepResult(last.loss, last.tower_losses, last.tower_samples, True, merged)
             self._landed[-1] = (index, skipped, at)
 
-    def results(self) -> list[Landed]:
+    def results(self, wait: bool = False) -> list[Landed]:
         landed, self._landed = self._landed, []
         return landed
 

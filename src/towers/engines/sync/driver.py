@@ -22,6 +22,7 @@ kept by survivors and handed to replacements (``snapshot``/``adopt``).
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -32,6 +33,7 @@ from torch import nn
 from ...comm.base import Work
 from ...core.devices import moved
 from ...core.step import StepResult
+from ...core.verdict import PendingResult, known
 from ..broadcast import broadcast_module, terms, verify_same_model
 from ..replica import backward_weighted
 from ..transforms import (
@@ -43,8 +45,11 @@ from ..transforms import (
 )
 from .gradsync import BucketPlan, GradientSync, bucket_bytes_for
 from .group import Group
+from .guard import StepGuard
 
-__all__ = ["Owner", "SyncDriver"]
+__all__ = ["DECIDE_ON_DEVICE", "Owner", "SyncDriver"]
+
+DECIDE_ON_DEVICE = "TOWERS_DECIDE_ON_DEVICE"
 
 
 class Owner(Protocol):
@@ -76,6 +81,7 @@ class SyncDriver:
         owner: Owner | None = None,
         mode: str = "sync",
         on_unarmed: Callable[[], bool] | None = None,
+        defer: bool | None = None,
     ):
         self.group = group
         self.mode = mode  # as the job names it: a newcomer must train the same
@@ -93,6 +99,15 @@ class SyncDriver:
         # called when a gradient arrives while the step is not armed (see GradientSync)
         self.on_unarmed = on_unarmed
         self._settled: list[torch.Tensor] = []  # buffers after the last completed step
+        # Decide steps on the device, without the host waiting (towers.core.verdict): by
+        # default where work is queued (a GPU; on the CPU too with TOWERS_DECIDE_ON_DEVICE=1,
+        # which runs the GPU's path there), outside elastic jobs, which read every step's
+        # numbers to agree on regroups.
+        if defer is None:
+            queued = self.device.type == "cuda" or os.environ.get(DECIDE_ON_DEVICE) == "1"
+            defer = queued and not group.elastic
+        self.defer = defer
+        self.guard: StepGuard | None = None
 
     # -- the model -------------------------------------------------------------------------
 
@@ -129,6 +144,9 @@ class SyncDriver:
         broadcast_module(self.model if self.owner is None else self.owner.shared(), comm)
         self.sync = GradientSync(self.plan, comm, self.transform, self.state)
         self.sync.on_unarmed = self.on_unarmed
+        self.sync.defer = self.defer
+        if self.defer and self.guard is None:
+            self.guard = StepGuard(self.plan.params).start()
         if self.group.elastic:
             self.settle()
         if self.owner is not None:
@@ -288,6 +306,10 @@ class SyncDriver:
         The values' ``.grad`` are not touched."""
         sync = self._sync()
         result, state, means = sync.land()
+        if isinstance(result, PendingResult):  # decided on the device: the step guards
+            assert self.guard is not None
+            self.guard.guard(result)
+            return result, None
         if sync.regroup:
             self.group.regroup_after_step()
         if result.skipped:
@@ -321,10 +343,18 @@ class SyncDriver:
         return on_device, self.group.comm.all_reduce_sum(on_device)
 
     def apply(self, result: StepResult, optimizer: torch.optim.Optimizer) -> None:
-        """Step ``optimizer`` unless ``result`` is skipped, then clear the gradients."""
-        if not result.skipped:
+        """Step ``optimizer`` unless ``result`` is skipped, then clear the gradients. A step
+        decided on the device steps the optimizer under its guard, which skips it there."""
+        if not known(result) or not result.skipped:
             optimizer.step()
+        else:
+            self.unguard()
         self.zero_grad()
+
+    def unguard(self) -> None:
+        """The next optimizer step is not a decided step's (a ``GradScaler`` steps it)."""
+        if self.guard is not None:
+            self.guard.pending = None
 
     def zero_grad(self) -> None:
         if self.plan is not None:
@@ -336,6 +366,9 @@ class SyncDriver:
         if self.sync is not None:
             self.sync.remove()
             self.sync = None
+        if self.guard is not None:
+            self.guard.remove()
+            self.guard = None
 
 
 def _shaped(mean: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ from ...core.step import (
     finite_flag,
     mean_values,
 )
+from ...core.verdict import decide
 from ..transforms import Bucket, BucketLayout, GradientTransform
 
 __all__ = [
@@ -163,6 +164,7 @@ class GradientSync:
         # caller did not arm, such as a script's own loss.backward())
         self.on_unarmed: Callable[[], bool] | None = None
         self.regroup = False  # whether the last finished step asked every rank to regroup
+        self.defer = False  # decide steps on the device (towers.core.verdict), where it can
         self._chosen: list[int] = []  # the buckets of the step in flight, in launch order
         self._checked = False  # whether the step in flight carries a batch stamp
         self._reset()
@@ -382,6 +384,8 @@ class GradientSync:
         for out, (buf, _) in zip(sums, chosen, strict=True):
             if out.grads.data_ptr() != buf.data_ptr():
                 buf.copy_(out.grads)
+        if self._decides_on_device():
+            return self._land_pending(tail, chosen)
         finite, divided = None, tail.device.type != "cpu"
         if divided:  # the host waits once per step, with nothing left to queue but the update
             tail, finite = divide_on_device(tail, self.meta.world, [b for b, _ in chosen])
@@ -401,3 +405,30 @@ class GradientSync:
         state = self._next_state
         self._reset()
         return result, state, means
+
+    def _decides_on_device(self) -> bool:
+        """Whether this step is decided without the host reading it (:mod:`towers.core.verdict`):
+        where asked, for gradients (not values) with a stateless transform, and where every
+        parameter had a gradient here, so that none is left ``None`` by the sum."""
+        return (
+            self.defer
+            and self._values is None
+            and self._next_state is None
+            and bool(self._had_grad.all())
+        )
+
+    def _land_pending(
+        self, tail: torch.Tensor, chosen: list[tuple[torch.Tensor, Any]]
+    ) -> tuple[StepResult, Any, dict[int, torch.Tensor | None]]:
+        """:meth:`land`, decided on the device: every ``.grad`` holds its mean (whatever it
+        holds), and the result's ``ok`` says whether it may be applied."""
+        result = decide(
+            self.meta, tail, [b for b, _ in chosen], self.stamp if self._checked else None
+        )
+        for buf, slots in chosen:
+            for i, start, stop in slots:
+                p = self.params[i]
+                p.grad = buf[start:stop].view_as(p)
+        self.regroup = False
+        self._reset()
+        return result, None, {}

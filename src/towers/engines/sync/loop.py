@@ -111,7 +111,10 @@ class _Run:
         self.state.replica = self.replica
         if job.shard_optimizer:
             self.state.sharding = ShardedState(self.replica.model, lambda: group.comm)
-        self.driver = SyncDriver(group, job.transform, owner=self.state, mode=str(job.mode))
+        self.driver = SyncDriver(
+            group, job.transform, owner=self.state, mode=str(job.mode),
+            defer=False if self.state.sharding is not None else None,
+        )  # fmt: skip
         self.runner = StepRunner(group, self.state, self.driver)
         self.breaks = self.plan.attach(self.replica.model)
         self.order = BatchOrder(num_samples(job.data), job.batch_size, job.shuffle, job.seed)
@@ -219,9 +222,9 @@ class _Run:
         """Seconds of training so far, the runs this one resumed included."""
         return self.record.seconds + time.perf_counter() - self.start
 
-    def _land(self) -> None:
-        """Record the steps whose results over all towers arrived."""
-        landed = self.runner.land()  # the next split follows the speeds measured
+    def _land(self, wait: bool = False) -> None:
+        """Record the steps whose results over all towers arrived (``wait``: every step's)."""
+        landed = self.runner.land(wait)  # the next split follows the speeds measured
         for k, r, at in landed:
             self._completed(k, r, self._clock() if at is None else at)
         if landed and self.group.lost_at is not None:
@@ -255,6 +258,7 @@ class _Run:
         )
 
     def _save(self, done: int) -> None:
+        self._land(wait=True)  # the record holds every step saved
         payload = {
             "mode": str(self.job.mode),
             "data": self.order.state_dict(),
@@ -280,6 +284,7 @@ class _Run:
             self.start, self.first_samples = time.perf_counter(), self.record.samples
             while self.done < job.steps or self.plan.owes(self.done, job.steps):
                 self.runner.attempt(self._advance)
+            self._land(wait=True)
             group.finish(self.driver)
         finally:
             self.driver.remove()

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ...core.step import StepResult
+from ...core.verdict import arrived
 from ..replica import Replica
 from .driver import SyncDriver
 
@@ -90,8 +91,10 @@ class StepPlan(Protocol):
         step it applied, if any."""
         ...
 
-    def results(self) -> list[Landed]:
-        """The steps whose results over all towers arrived since the last call, in order."""
+    def results(self, wait: bool = False) -> list[Landed]:
+        """The steps whose results over all towers arrived since the last call, in order
+        (``wait``: all of them, waiting for those decided on a device,
+        :mod:`towers.core.verdict`)."""
         ...
 
     def trained(self, model: nn.Module) -> nn.Module:
@@ -160,8 +163,9 @@ class EveryStep:
     ) -> StepResult | None:
         raise AssertionError("a synchronous step exchanges within the step")
 
-    def results(self) -> list[Landed]:
-        landed, self._landed = self._landed, []
+    def results(self, wait: bool = False) -> list[Landed]:
+        n = len(self._landed) if wait else arrived(r for _, r, _ in self._landed)
+        landed, self._landed = self._landed[:n], self._landed[n:]
         return landed
 
     def trained(self, model: nn.Module) -> nn.Module:

@@ -128,10 +128,11 @@ class StepRunner:
         state.steps += 1
         return result
 
-    def land(self) -> list[Landed]:
-        """The steps whose results over all towers arrived, in order; their shard sizes and
-        times steer the next split."""
-        landed = self.state.plan.results()
+    def land(self, wait: bool = False) -> list[Landed]:
+        """The steps whose results over all towers arrived, in order (``wait``: every step
+        taken, waiting for those still on their way); their shard sizes and times steer the
+        next split."""
+        landed = self.state.plan.results(wait)
         for _, result, _ in landed:
             self.state.observe(result)
         return landed

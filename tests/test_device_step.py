@@ -1,0 +1,190 @@
+"""A step decided on the device (towers.core.verdict), run on the CPU.
+
+On a GPU a synchronous step is decided where its sums are and the optimizer's step is skipped
+there (towers.engines.sync.guard), so that the host never waits for the device inside a step.
+``TOWERS_DECIDE_ON_DEVICE=1`` runs that same path on CPU workers; here it is held to what the
+eager path guarantees: a non-finite step is skipped on every tower with its culprit named,
+neither the parameters nor the optimizer's state change, the loss is read only when asked for,
+and the run equals one process's.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import pytest
+import torch
+from exact import Reference, as_float64
+from helpers import Net, make_net, mse, regression_data
+
+import towers
+from towers.core.verdict import PendingResult, known
+from towers.engines.sync.driver import DECIDE_ON_DEVICE
+
+STEPS, BATCH, NAN_STEP, NAN_SAMPLE = 5, 9, 2, 7
+
+OPTIMIZERS = {
+    # fused: the skip is the kernel's found_inf, never read on the host after the first step
+    "adamw-fused": functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1, fused=True),
+    # any other optimizer: the guard reads the decision when it steps
+    "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+}
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    monkeypatch.setenv(DECIDE_ON_DEVICE, "1")
+
+
+def batches(dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = regression_data(STEPS * BATCH)
+    x[NAN_STEP * BATCH + NAN_SAMPLE, 0] = math.nan
+    if dtype == torch.float64:
+        x, y = as_float64((x, y))
+    return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, STEPS * BATCH, BATCH)]
+
+
+def _copied(opt: torch.optim.Optimizer, model: torch.nn.Module):
+    return copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _own_loop(kind: str):
+    ctx = towers.init(timeout=60)
+    try:
+        torch.manual_seed(0)
+        # a balanced split reads each step's numbers as soon as they arrive: on a CPU, at once
+        model = ctx.replicate(Net(), balance=False)
+        opt = OPTIMIZERS[kind](model.parameters())
+        results, seen = [], []
+        for k, shard in enumerate(ctx.shards(batches())):
+            r = ctx.backward(mse(model, shard))
+            unread = isinstance(r, PendingResult) and not known(r)
+            before = _copied(opt, model)
+            opt.step()
+            opt.zero_grad()
+            changed = not _same(before, _copied(opt, model))
+            seen.append((k, unread, known(r), changed))
+            results.append(r)
+        losses = [r.loss for r in results]  # read here, long after their steps
+        skipped = [(k, r.culprits) for k, r in enumerate(results) if r.skipped]
+        return {n: p.detach().clone() for n, p in model.state_dict().items()}, losses, skipped, seen
+    finally:
+        ctx.close()
+
+
+def _plain(kind: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    opt = OPTIMIZERS[kind](model.parameters())
+    losses = []
+    for batch in batches(dtype):
+        loss = mse(model, batch)
+        loss.backward()
+        if math.isfinite(loss.item()):
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, losses
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_own_loop_skips_on_the_device_and_reads_the_loss_late(on_device, kind):
+    out = towers.spawn(functools.partial(_own_loop, kind), 2)
+    reference = Reference.run(functools.partial(_plain, kind))
+    culprit = next(t for t, s in enumerate(towers.split(torch.arange(BATCH), 2)) if NAN_SAMPLE in s)
+    for rank, (state, losses, skipped, seen) in enumerate(out):
+        reference.check(state, f"rank {rank}")
+        reference.check_losses(losses, f"rank {rank}")
+        assert skipped == [(NAN_STEP, [culprit])], skipped
+        for k, unread, read_by_step, changed in seen:
+            assert unread, f"step {k}: ctx.backward read the step's numbers"
+            assert changed == (k != NAN_STEP), f"step {k}: the step changed {changed}"
+            # the fused optimizer takes the decision on the device, after its first step
+            on_host = kind != "adamw-fused" or k == 0
+            assert read_by_step == on_host, f"step {k}: read by optimizer.step(): {read_by_step}"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_train_skips_on_the_device_and_names_the_culprit(on_device, kind):
+    x, y = regression_data(40)
+    x[NAN_SAMPLE, 1] = math.nan
+    workers, batch = 2, 10
+    with pytest.warns(RuntimeWarning, match=r"NaN or Inf in 1 sample\(s\) \(7\)"):
+        result = towers.train(
+            make_net(), mse, (x, y), batch_size=batch, steps=8, workers=workers,
+            optimizer=OPTIMIZERS[kind], seed=5, progress=False,
+        )  # fmt: skip
+    reference = Reference.of(
+        make_net(), (x, y), batch_size=batch, steps=8, optimizer=OPTIMIZERS[kind], seed=5
+    )
+    assert len(reference.skipped) == 2
+    assert [s for s, _ in result.skipped] == reference.skipped
+    order = torch.utils.data.DataLoader(
+        range(40), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(5)
+    )
+    steps = [b for _ in range(2) for b in order]
+    for step, culprits in result.skipped:
+        shards = towers.split(steps[step], workers)
+        assert culprits == [i for i, s in enumerate(shards) if NAN_SAMPLE in s.tolist()]
+    reference.check_losses(result.losses)
+    reference.check(result.model)
+
+
+def _disagreeing_batches():
+    ctx = towers.init(timeout=60)
+    try:
+        torch.manual_seed(0)
+        model = ctx.replicate(Net(), balance=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+        data = batches()
+        r = ctx.step(mse(model, next(iter(ctx.shards(data[:1])))), opt)  # builds the state
+        assert not r.skipped
+        mine = data[1] if ctx.rank == 0 else data[3]  # rank 1 drew another batch
+        before = _copied(opt, model)
+        (shard,) = ctx.shards([mine])
+        r = ctx.backward(mse(model, shard))
+        opt.step()  # skipped on the device: the batches disagree
+        unchanged = _same(before, _copied(opt, model))
+        try:
+            _ = r.loss
+        except ValueError as exc:
+            return unchanged, str(exc)
+        return unchanged, None
+    finally:
+        ctx.close()
+
+
+@pytest.mark.timeout(60)
+def test_ranks_on_different_batches_change_nothing_and_raise_when_read(on_device):
+    for unchanged, error in towers.spawn(_disagreeing_batches, 2):
+        assert unchanged
+        assert error is not None and "not on the same global batch" in error
+
+
+def test_a_pending_result_reads_once_and_keeps_its_failure():
+    reads = []
+
+    def read(host):
+        reads.append(host)
+        raise ValueError("the ranks disagree")
+
+    r = PendingResult(torch.tensor(False), torch.zeros(3), read)
+    assert not known(r) and r.ready()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="the ranks disagree"):
+            r.skipped  # noqa: B018
+    assert len(reads) == 1
