@@ -188,3 +188,26 @@ def test_a_pending_result_reads_once_and_keeps_its_failure():
         with pytest.raises(ValueError, match="the ranks disagree"):
             r.skipped  # noqa: B018
     assert len(reads) == 1
+
+
+def test_float16_without_a_scaler_is_named():
+    with pytest.raises(ValueError, match=r"parameters are float16 without a torch.amp.GradScaler"):
+        towers.train(
+            make_net().half(), mse, regression_data(12), batch_size=6, steps=1, progress=False
+        )
+    ctx = towers.init()
+    try:
+        model = ctx.replicate(Net())
+        x, y = regression_data(6)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = mse(model, (x, y))
+            with pytest.raises(ValueError, match=r"autocast\('cpu', dtype=torch.float16\)"):
+                ctx.backward(loss)
+        model.half()
+        (shard,) = ctx.shards([(x.half(), y.half())])
+        with pytest.raises(ValueError, match=r"ctx.backward\(loss, scaler=torch.amp.GradScaler"):
+            ctx.step(mse(model, shard), torch.optim.SGD(model.parameters(), lr=0.1))
+        scaler = torch.amp.GradScaler("cpu")
+        ctx.backward(mse(model, shard), scaler=scaler)  # with its scaler: trained
+    finally:
+        ctx.close()

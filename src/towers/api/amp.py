@@ -16,7 +16,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_scaler", "poison_grads"]
+__all__ = ["check_scaler", "float16_without_scaler", "poison_grads"]
+
+FLOAT16 = (
+    "{what} float16 without a torch.amp.GradScaler: float16 gradients under 6e-8 flush to zero "
+    "and large ones overflow, so steps are lost or skipped without a word. {fix}"
+)
+FIX_LOOP = (
+    "Pass the scaler to ctx.backward(loss, scaler=torch.amp.GradScaler()) and step with "
+    "scaler.step(optimizer); or compute under torch.autocast(dtype=torch.bfloat16) with float32 "
+    "parameters, which needs no scaler (docs/gpu.md, Mixed precision)"
+)
+
+
+def float16_without_scaler(params: Sequence[torch.Tensor], device_type: str) -> str | None:
+    """What computes in float16 here (parameters, or autocast on ``device_type`` at this call),
+    said for a step that has no ``GradScaler``; ``None`` if nothing does."""
+    if any(p.dtype == torch.float16 for p in params):
+        return "the model's parameters are"
+    if torch.is_autocast_enabled(device_type) and (
+        torch.get_autocast_dtype(device_type) == torch.float16
+    ):
+        return f"this step runs under torch.autocast({device_type!r}, dtype=torch.float16),"
+    return None
 
 
 def check_scaler(scaler: Any) -> Any:

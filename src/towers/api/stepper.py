@@ -35,6 +35,7 @@ from ..engines.sync.driver import SyncDriver
 from ..engines.sync.group import Group
 from ..engines.sync.runner import StepRunner
 from ..engines.sync.state import LastResult, RunState
+from .amp import FIX_LOOP, FLOAT16, float16_without_scaler
 from .micro import MicroBatches
 from .mistakes import (
     BACKWARD_TWICE,
@@ -172,6 +173,13 @@ class Stepper:
         if self.driver.sync is None:
             raise RuntimeError("call ctx.replicate(model) before ctx.backward() or ctx.step()")
         weight = self.weight(samples)
+        device = self.driver.device.type
+        if (
+            loss is not None
+            and scaler is None
+            and (what := float16_without_scaler(self.driver.params, device))
+        ):
+            raise ValueError(FLOAT16.format(what=what, fix=FIX_LOOP))
         self.check_no_stale_grads()
         stamp = self._stamp()
         calling(

@@ -30,6 +30,7 @@ from ..engines.shard import refuse_unshardable
 from ..engines.sync.mode import SyncMode
 from ..processes.env import cpu_count
 from ..processes.pack import check_picklable as pickles
+from .amp import FLOAT16
 
 __all__ = [
     "averages_buffers",
@@ -84,6 +85,15 @@ def check_arguments(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters; there is nothing to train")
+    if any(p.dtype == torch.float16 for p in model.parameters() if p.requires_grad):
+        raise ValueError(
+            FLOAT16.format(
+                what="the model's parameters are",
+                fix="towers.train takes no GradScaler: keep the parameters float32 and compute "
+                "under torch.autocast(dtype=torch.bfloat16) in loss_fn, or use the own loop, "
+                "whose ctx.backward(loss, scaler=...) takes one (docs/gpu.md, Mixed precision)",
+            )
+        )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     check_picklable(
