@@ -9,8 +9,8 @@ at the start says why and the split stays even:
 - BatchNorm without ``sync_batchnorm``: each tower normalises over its own shard, so the
   shard sizes change the result;
 - a ``collate_fn``: it may pad or pack the samples of the shard it is given;
-- GPU workers: a tower's time on the host measures how fast kernels are queued, not how fast
-  the GPU runs them;
+- GPU workers on a torch without CUDA events: their time on the host measures how fast
+  kernels are queued, not how fast the GPU runs them (with events they are timed on the GPU);
 - DiLoCo's modes: each tower steps alone on its shard;
 - a gradient transform (``compress=``): it reduces each tower's own values.
 

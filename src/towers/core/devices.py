@@ -46,14 +46,22 @@ class DeviceKind:
     untimed: str | None = None
 
 
-KINDS = {
-    "cpu": DeviceKind("cpu"),
-    "cuda": DeviceKind(
-        "cuda",
-        untimed="on GPUs a tower's time on the host measures how fast it queues kernels, not "
-        "how fast its GPU runs them",
-    ),
-}
+def _no_events() -> str | None:
+    """Why GPU towers cannot be timed on their device by this torch, if they cannot (a tower's
+    time on the host measures how fast it queues kernels, not how fast its GPU runs them)."""
+    event = getattr(getattr(torch, "cuda", None), "Event", None)
+    if event is not None and hasattr(event, "elapsed_time") and hasattr(event, "query"):
+        return None
+    return (
+        "this torch has no CUDA events to time each tower's work on its GPU "
+        "(torch.cuda.Event.elapsed_time), and a tower's time on the host measures how fast it "
+        "queues kernels, not how fast its GPU runs them"
+    )
+
+
+# GPU towers are timed by CUDA events around their forward and backward
+# (towers.engines.sync.runner: DeviceClock)
+KINDS = {"cpu": DeviceKind("cpu"), "cuda": DeviceKind("cuda", untimed=_no_events())}
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,12 @@ it, from the state the members agreed on, after a lost peer.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,9 +39,41 @@ from .group import Group
 from .plan import Landed
 from .state import LastResult, RunState
 
-__all__ = ["StepRunner"]
+__all__ = ["DeviceClock", "StepRunner"]
 
 T = TypeVar("T")
+
+
+class DeviceClock:
+    """A tower's compute seconds on a GPU, timed by events in its stream, not on the host.
+
+    :meth:`start` records an event when the step's shard is taken, :meth:`stop` one after its
+    backward. The host does not wait for them: a step's time is known once its events have
+    passed, usually a step later, so :meth:`stop` reports the seconds this step's samples take
+    at the pace of the last step measured (0, which the balancer leaves out, until one is).
+    ``event``: the event class (``torch.cuda.Event``).
+    """
+
+    def __init__(self, event: Callable[..., Any] | None = None):
+        self.event = event if event is not None else torch.cuda.Event
+        self.pending: collections.deque[tuple[Any, Any, int]] = collections.deque()
+        self.per_sample: float | None = None  # seconds per sample, the last step measured
+        self._start: Any = None
+
+    def start(self) -> None:
+        self._start = self.event(enable_timing=True)
+        self._start.record()
+
+    def stop(self, samples: int) -> float:
+        """This step's ``samples`` are queued: their seconds, at the last measured pace."""
+        end = self.event(enable_timing=True)
+        end.record()
+        self.pending.append((self._start, end, samples))
+        while self.pending and self.pending[0][1].query():
+            start, done, n = self.pending.popleft()
+            if n > 0:
+                self.per_sample = start.elapsed_time(done) / 1000.0 / n
+        return 0.0 if self.per_sample is None else self.per_sample * samples
 
 
 class StepRunner:
@@ -49,6 +82,8 @@ class StepRunner:
     def __init__(self, group: Group, state: RunState, driver: SyncDriver):
         self.group, self.state, self.driver = group, state, driver
         self.began: float | None = None  # when the step's first shard was taken
+        # on a GPU the host only queues the work: CUDA events time it on the device
+        self.clock = DeviceClock() if group.device.type == "cuda" else None
 
     def use(self, driver: SyncDriver) -> None:
         """Step through ``driver`` from now on (the own loop's, once its model is replicated)."""
@@ -87,6 +122,8 @@ class StepRunner:
         """This tower has its shard of the step (the first one, if it accumulates several)."""
         if self.began is None:
             self.began = time.perf_counter()
+            if self.clock is not None:
+                self.clock.start()
 
     def waited(self, seconds: float) -> None:
         """This tower waited ``seconds`` for the others inside its step (an accumulated
@@ -122,7 +159,10 @@ class StepRunner:
         applies (see :meth:`~towers.engines.sync.plan.StepPlan.step`); the step is counted."""
         began, self.began = self.began, None  # the next step's clock starts at its shard
         if began is not None:
-            self.driver.add(0.0, 0, time.perf_counter() - began)
+            seconds = time.perf_counter() - began
+            if self.clock is not None:
+                seconds = self.clock.stop(self.driver.samples)
+            self.driver.add(0.0, 0, seconds)
         state = self.state
         result = state.plan.step(self.driver, optimizer, state.steps, stamp=stamp, at=at)
         state.steps += 1
