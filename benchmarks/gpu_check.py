@@ -14,7 +14,10 @@ steps and of ``plain``'s to the report. After the rounds, one run each of ``trai
 ``compress="int8"`` and with ``mode="diloco:16"`` (their cost against ``plain``; their losses
 shown, not checked: both change the arithmetic), and of a float16 ``GradScaler`` loop, plain
 and the own loop (``ctx.backward(loss, scaler=...)``), the latter held to the same target and
-loss agreement against the former.
+loss agreement against the former. With two GPUs (on the CPU smoke run, two CPU towers), two
+more: ``train`` on two towers with the second device shared with a busy process, the even
+split against ``balance=True`` (both held to ``plain``'s losses; their times compared with
+each other's); on one GPU the report says they need two (NCCL refuses two ranks on one GPU).
 
 Run it from the repository root (the checkout's ``src`` is used, installed or not)::
 
@@ -183,14 +186,16 @@ def run_plain(plan: Plan, model0: nn.Module, tokens: torch.Tensor, fp16: bool = 
     return run
 
 
-def run_train(plan: Plan, model0: nn.Module, tokens: torch.Tensor, **options: Any) -> Run:
+def run_train(
+    plan: Plan, model0: nn.Module, tokens: torch.Tensor, workers: int = 1, **options: Any
+) -> Run:
     result = towers.train(
         copy.deepcopy(model0),
         loss_fn,
         (tokens,),
         batch_size=plan.size.batch,
         steps=plan.steps,
-        workers=1,
+        workers=workers,
         device=plan.device.type,
         optimizer=optimizer(plan.device),
         shuffle=False,
@@ -222,18 +227,49 @@ def run_loop(plan: Plan, model0: nn.Module, tokens: torch.Tensor, fp16: bool = F
     return run
 
 
+# A process busy on the second device for as long as a run of two towers lasts: GPU 1, or on a
+# CPU (the smoke run) the cores the towers share.
+BUSY = {
+    "cuda": "import torch\nx = torch.randn(8192, 8192, device='cuda')\n"
+    "while True:\n    x = torch.nn.functional.normalize(x @ x)",
+    "cpu": "while True:\n    pass",
+}
+
+
+def run_shared(plan: Plan, model0: nn.Module, tokens: torch.Tensor, balance: bool) -> Run:
+    """``train`` on two devices, the second shared with a busy process: the even split waits
+    for it every step, the balanced one gives it fewer samples."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"} if plan.device.type == "cuda" else None
+    busy = subprocess.Popen([sys.executable, "-c", BUSY[plan.device.type]], env=env)
+    try:
+        return run_train(plan, model0, tokens, workers=2, balance=balance)
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+def two_devices(device: torch.device) -> bool:
+    """Whether two towers can run: NCCL refuses two ranks on one GPU."""
+    return device.type == "cpu" or torch.cuda.device_count() >= 2
+
+
 ARMS = {"plain": run_plain, "train": run_train, "loop": run_loop}
 
 
-# Options, one run each after the rounds: (arm, its reference, whether it must agree with it).
-# int8 compression and DiLoCo change the arithmetic, so their losses are shown, not checked.
-OPTIONS: dict[str, tuple[Callable[..., Run], str, bool]] = {
-    "train int8": (functools.partial(run_train, compress="int8"), "plain", False),
-    "train diloco:16": (functools.partial(run_train, mode="diloco:16"), "plain", False),
-    "plain fp16": (functools.partial(run_plain, fp16=True), "plain", False),
-    "loop fp16": (functools.partial(run_loop, fp16=True), "plain fp16", True),
+# Options, one run each after the rounds: (arm, its reference, whether it must agree with it,
+# whether its time is held to the target). int8 compression and DiLoCo change the arithmetic,
+# so their losses are shown, not checked; two towers (a second GPU busy) are not one GPU's
+# cost, so their times are compared with each other's, not held to the target.
+OPTIONS: dict[str, tuple[Callable[..., Run], str, bool, bool]] = {
+    "train int8": (functools.partial(run_train, compress="int8"), "plain", False, False),
+    "train diloco:16": (functools.partial(run_train, mode="diloco:16"), "plain", False, False),
+    "plain fp16": (functools.partial(run_plain, fp16=True), "plain", False, False),
+    "loop fp16": (functools.partial(run_loop, fp16=True), "plain fp16", True, True),
+    "train 2 even": (functools.partial(run_shared, balance=False), "plain", True, False),
+    "train 2 balanced": (functools.partial(run_shared, balance=True), "plain", True, False),
 }
-ARMS.update({name: arm for name, (arm, _, _) in OPTIONS.items()})
+SHARED = ("train 2 even", "train 2 balanced")
+ARMS.update({name: arm for name, (arm, _, _, _) in OPTIONS.items()})
 
 
 def measured(arm: str, plan: Plan, model0: nn.Module, tokens: torch.Tensor) -> Run:
@@ -257,10 +293,11 @@ def run_rounds(
     """Every arm once a round, the order rotated each round; an arm that fails is dropped.
     Then each of :data:`OPTIONS` once (its ratio is to the last round's plain)."""
     names = [a for a in ARMS if a not in OPTIONS]
-    runs: dict[str, list[Run]] = {a: [] for a in ARMS}
+    options = [a for a in OPTIONS if a not in SHARED or two_devices(plan.device)]
+    runs: dict[str, list[Run]] = {a: [] for a in [*names, *options]}
     errors: dict[str, str] = {}
     rounds = [names[r % len(names) :] + names[: r % len(names)] for r in range(plan.rounds)]
-    for r, order in enumerate([*rounds, list(OPTIONS)]):
+    for r, order in enumerate([*rounds, options]):
         for arm in order:
             if arm in errors:
                 continue
@@ -283,7 +320,9 @@ def summarise(plan: Plan, runs: dict[str, list[Run]]) -> dict[str, dict[str, Any
     for arm, ms in medians.items():
         if not ms:
             continue
-        reference, judged = OPTIONS[arm][1:] if arm in OPTIONS else ("plain", arm != "plain")
+        reference, judged = (
+            (OPTIONS[arm][1], OPTIONS[arm][3]) if arm in OPTIONS else ("plain", arm != "plain")
+        )
         plain = medians[reference][-1:] if arm in OPTIONS else medians[reference]
         pairs = list(zip(ms, plain))
         ratio = statistics.median(a / b for a, b in pairs) if pairs else None
@@ -312,8 +351,10 @@ def agreement(runs: dict[str, list[Run]]) -> dict[str, Any]:
     reference's where it must: first, last, and the max. The other options' are shown."""
     out: dict[str, Any] = {"tolerance": TOLERANCE, "max_rel_diff": {}, "ok": True}
     checked = {"train": ("plain", True), "loop": ("plain", True)}
-    checked |= {arm: (ref, must) for arm, (_, ref, must) in OPTIONS.items()}
+    checked |= {arm: (ref, must) for arm, (_, ref, must, _) in OPTIONS.items()}
     for arm, (reference, must) in checked.items():
+        if arm not in runs:  # not run here (two towers on one GPU)
+            continue
         ref = runs[reference][0].losses if runs[reference] else []
         losses = runs[arm][0].losses if runs[arm] else []
         if not ref or len(losses) != len(ref):
@@ -422,6 +463,24 @@ def arms_table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def shared_lines(report: dict[str, Any]) -> list[str]:
+    """The balanced split against the even one, two towers beside a busy process."""
+    arms = report["arms"]
+    if not any(a in arms for a in SHARED):
+        return [
+            "- two towers with the second device busy (balance=True against the even split): "
+            "not run, one GPU here (NCCL refuses two ranks on one GPU)"
+        ]
+    even, balanced = (arms.get(a, {}).get("ms_per_step") for a in SHARED)
+    where = "GPU 1" if report["plan"]["device"] == "cuda" else "the cores"
+    ratio = f" ({balanced / even:.2f}x)" if even and balanced else ""
+    return [
+        f"- two towers, {where} shared with a busy process: balanced "
+        f"{_fmt(balanced, '.2f')} ms/step against even {_fmt(even, '.2f')}{ratio}; both "
+        "held to plain's losses"
+    ]
+
+
 def markdown(report: dict[str, Any]) -> str:
     env, tests = report["environment"], report["tests"]
     lines = ["# towers GPU check", "", f"- date: {report['date']}"]
@@ -450,6 +509,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"- plain: the CPU queues a step's kernels in {q:.2f} of its {ms:.2f} ms: it is "
             f"bound by {bound}; where the CPU bounds it, every ms towers adds on the CPU counts"
         )
+    lines += shared_lines(report)
     a = report["agreement"]
     diffs = ", ".join(f"{k} {_fmt(v, '.2e')}" for k, v in a["max_rel_diff"].items())
     word = "agree" if a["ok"] else "DISAGREE"

@@ -25,6 +25,7 @@ def test_gpu_check_cpu_smoke_run_writes_its_report(tmp_path: Path) -> None:
     assert {"environment", "plan", "arms", "agreement", "tokens_per_s", "loadavg"} <= set(report)
     assert report["tests"] is None and report["errors"] == {} and report["exit_code"] == 0
     options = ["train int8", "train diloco:16", "plain fp16", "loop fp16"]
+    options += ["train 2 even", "train 2 balanced"]  # two CPU towers, the cores shared
     assert list(report["arms"]) == ["plain", "train", "loop", *options]
     for arm in report["arms"].values():
         assert arm["ms_per_step"] > 0 and len(arm["losses"]) == report["plan"]["steps"]
@@ -35,6 +36,7 @@ def test_gpu_check_cpu_smoke_run_writes_its_report(tmp_path: Path) -> None:
     assert judged == {"train", "loop", "loop fp16"}
     text = (tmp_path / "gpu_check.md").read_text()
     rows = ("| plain |", "| train |", "| loop |", "| train int8 |", "| loop fp16 |")
+    rows += ("| train 2 balanced |", "the cores shared with a busy process: balanced")
     for row in (*rows, "losses agree", "target <= 3% overhead"):
         assert row in text
     assert text in out.stdout  # the report is printed too
