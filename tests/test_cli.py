@@ -112,6 +112,8 @@ def test_a_bad_nnodes_or_a_node_rank_past_max_is_refused_at_once(capsys, tmp_pat
     assert "--nnodes > 1 needs --elastic" in capsys.readouterr().err
     assert main(["run", str(script), "--compress", "int7"]) == 2
     assert "towers run: --compress: " in capsys.readouterr().err
+    assert main(["run", str(script), "--max-restarts", "-1"]) == 2
+    assert "--max-restarts must be >= 0, got -1" in capsys.readouterr().err
     assert "TOWERS_COMPRESS" not in os.environ
 
 

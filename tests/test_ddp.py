@@ -300,7 +300,9 @@ def test_an_elastic_job_is_refused_before_it_is_joined(monkeypatch):
     """Under towers run --elastic a lost worker's step is redone, which a script's own
     loss.backward() cannot be: refused with the way out, before any connection."""
     monkeypatch.setenv("TOWERS_ELASTIC", "1")
-    with pytest.raises(ValueError, match=r"does not run under towers run --elastic yet.*ctx\.step"):
+    with pytest.raises(
+        ValueError, match=r"does not run under towers run --elastic.*--max-restarts R.*ctx\.step"
+    ):
         dist.init_process_group("gloo")
     assert not dist.is_initialized()
 
@@ -389,6 +391,32 @@ def test_zero_redundancy_optimizer_shards_adamw_exactly_and_its_whole_state_resu
     final.check(torch.load(tmp_path / "final.pt"), "resumed from the consolidated state")
     held = [torch.load(tmp_path / f"held-{r}.pt") for r in range(2)]
     assert held == [2 * 320, 2 * (578 - 320)]  # exp_avg and exp_avg_sq of each rank's part
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_worker_restarts_every_rank_from_the_script_s_checkpoint(tmp_path):
+    """tests/scripts/ddp_restart.py under towers run --max-restarts 1: rank 1 is killed with
+    SIGKILL at step 5 of 24; every rank starts again, the script resumes from its checkpoint
+    of step 5, and it ends with the parameters of a run that lost nothing, bit for bit."""
+    script = ROOT / "tests" / "scripts" / "ddp_restart.py"
+    lost, whole = tmp_path / "lost", tmp_path / "whole"
+    lost.mkdir(), whole.mkdir()
+    base = [sys.executable, "-m", "towers", "run", str(script), "-n", "2"]
+    result = run([*base, "--max-restarts", "1", "--", str(lost), "5"], tmp_path, timeout=100)
+    assert result.returncode == 0, result.stdout
+    assert "rank 1 failed with signal SIGKILL" in result.stdout
+    assert "restarting all 2 ranks (restart 1 of 1, TORCHELASTIC_RESTART_COUNT=1)" in result.stdout
+    for r in range(2):
+        attempts = (lost / f"attempts-{r}.txt").read_text().splitlines()
+        assert attempts == ["attempt 0 started at step 0", "attempt 1 started at step 5"]
+    assert run([*base, "--", str(whole)], tmp_path, timeout=100).returncode == 0
+    got, expected = torch.load(lost / "final.pt"), torch.load(whole / "final.pt")
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    # without restarts the job fails with the lost rank's code
+    again = tmp_path / "again"
+    again.mkdir()
+    failed = run([*base, "--", str(again), "5"], tmp_path, timeout=100)
+    assert failed.returncode == 137 and "restarting" not in failed.stdout
 
 
 @pytest.mark.timeout(120)

@@ -117,10 +117,13 @@ def init_process_group(
         )
     if launch.elastic:
         raise ValueError(
-            "towers.ddp does not run under towers run --elastic yet: a step that loses a worker "
-            "is redone on the same batch, which a script's own loss.backward() cannot be. Port "
-            "the loop to ctx = towers.init() and ctx.step(loss, optimizer) (docs/elastic.md), "
-            "or start the job without --elastic"
+            "towers.ddp does not run under towers run --elastic: a step that loses a worker "
+            "is redone on the same batch, which a script's own loss.backward() cannot be. A "
+            "DDP script survives a lost worker as under torchrun: start it with towers run "
+            "--max-restarts R (without --elastic), which restarts every rank when one fails, "
+            "and let it resume from its own checkpoint; or port the loop to ctx = "
+            "towers.init() and ctx.step(loss, optimizer), which goes on without the lost "
+            "worker (docs/elastic.md)"
         )
     seconds = timeout.total_seconds() if timeout is not None else None
     job = join(launch, backend=_backend(backend), timeout=seconds)

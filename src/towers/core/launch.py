@@ -111,6 +111,8 @@ class Launch:
             env[COMPRESS] = self.compress
         if self.secret is not None:
             env[SECRET] = self.secret
+        if self.restart_count:
+            env[_RESTART_COUNT] = str(self.restart_count)
         return env
 
 

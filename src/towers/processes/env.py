@@ -49,6 +49,7 @@ def worker_env(
     group_rank: int = 0,
     group_world_size: int = 1,
     secret: str | None = None,
+    restart_count: int = 0,
 ) -> dict[str, str]:
     """The variables torchrun sets for one worker (:meth:`towers.core.launch.Launch.environ`).
 
@@ -71,6 +72,7 @@ def worker_env(
         master_addr=addr,
         master_port=port,
         secret=secret,
+        restart_count=restart_count,
     )
     return env | launch.environ()
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Collection, Sequence
+from typing import Any
 
 from ..comm.net import DEFAULT_ADDR, free_port
 from ..core.secret import new_secret
@@ -33,29 +34,72 @@ def run_script(
     failure_grace: float = 5.0,
     secret: str | None = None,
     show_ranks: Collection[int] | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Run ``python SCRIPT ARGS`` as ``workers`` ranks; return 0, or the first failure's code.
 
     The ranks are forked from one interpreter that has imported torch once for them all
     (:mod:`towers.processes.zygote`; ``TOWERS_START_METHOD=spawn`` starts fresh ones instead).
 
-    When one rank fails the others get ``failure_grace`` seconds, then are terminated. Ranks
-    die with ``towers run`` however it dies (``PR_SET_PDEATHSIG``); on Ctrl-C or ``SIGTERM`` it
-    stops them and says so in one line. The ranks get the job's ``secret`` (a fresh one by
-    default) in their environment. The output of the ranks in ``show_ranks`` (default: all) is
-    shown, each line prefixed with its rank when more than one is shown
-    (:mod:`towers.processes.output`).
+    When one rank fails the others get ``failure_grace`` seconds, then are terminated; with
+    ``max_restarts`` the whole job then starts again, up to that many times, as torchrun's
+    ``--max-restarts`` does: every rank anew (on a fresh port unless ``port`` is given), with
+    ``TORCHELASTIC_RESTART_COUNT`` set to the attempt, so that the script resumes from its own
+    checkpoint. Ranks die with ``towers run`` however it dies (``PR_SET_PDEATHSIG``); on Ctrl-C
+    or ``SIGTERM`` it stops them and says so in one line, and restarts nothing. The ranks get
+    the job's ``secret`` (a fresh one by default) in their environment. The output of the ranks
+    in ``show_ranks`` (default: all) is shown, each line prefixed with its rank when more than
+    one is shown (:mod:`towers.processes.output`).
     """
     if not os.path.isfile(script):
         raise FileNotFoundError(f"no such script: {script}")
-    port = free_port(addr) if port is None else port
     secret = new_secret() if secret is None else secret
+    zygote = zygote_for(workers)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        for attempt in range(max_restarts + 1):
+            where = free_port(addr) if port is None else port
+            code = _attempt(
+                zygote, script, workers, args, addr, where, failure_grace, secret, show_ranks,
+                attempt,
+            )  # fmt: skip
+            if code == 0 or attempt == max_restarts:
+                return code
+            print(
+                f"towers run: restarting all {workers} ranks (restart {attempt + 1} of "
+                f"{max_restarts}, TORCHELASTIC_RESTART_COUNT={attempt + 1}); the script "
+                "resumes from its own checkpoint",
+                file=sys.stderr,
+            )
+        raise AssertionError("unreachable")
+    except KeyboardInterrupt as exc:
+        what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+        print(f"towers run: stopped by {what}; stopping every rank", file=sys.stderr)
+        return 143 if what == "SIGTERM" else 130
+    finally:
+        if zygote is not None:
+            zygote.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _attempt(
+    zygote: Any,
+    script: str,
+    workers: int,
+    args: Sequence[str],
+    addr: str,
+    port: int,
+    failure_grace: float,
+    secret: str,
+    show_ranks: Collection[int] | None,
+    restart: int,
+) -> int:
+    """One start of every rank (see :func:`run_script`): 0, or the first failure's code."""
     threads = str(thread_share(workers))
     procs: list[Rank | subprocess.Popen[bytes]] = []
     output = RankOutput(workers, show_ranks)
-    zygote = zygote_for(workers)
 
-    def stop(*_: object) -> None:
+    def stop() -> None:
         for p in procs:
             if p.poll() is None:
                 p.terminate()
@@ -67,13 +111,12 @@ def run_script(
                 p.kill()
                 p.wait()
 
-    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         for rank in range(workers):
             env = {
                 **os.environ,
                 **output.env(rank),
-                **worker_env(rank, workers, addr, port, secret=secret),
+                **worker_env(rank, workers, addr, port, secret=secret, restart_count=restart),
             }
             env.setdefault("OMP_NUM_THREADS", threads)
             procs.append(start_script(zygote, [script, *args], env, **output.streams(rank)))
@@ -96,13 +139,6 @@ def run_script(
             if failed_at is not None and time.monotonic() - failed_at > failure_grace:
                 return code
             time.sleep(0.05)
-    except KeyboardInterrupt as exc:
-        what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
-        print(f"towers run: stopped by {what}; stopping every rank", file=sys.stderr)
-        return 143 if what == "SIGTERM" else 130
     finally:
         stop()
-        if zygote is not None:
-            zygote.close()
         output.close()
-        signal.signal(signal.SIGTERM, previous)

@@ -141,6 +141,9 @@ def _run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"towers run: {exc}", file=sys.stderr)
         return 2
+    if args.max_restarts < 0:
+        print(f"towers run: --max-restarts must be >= 0, got {args.max_restarts}", file=sys.stderr)
+        return 2
     if args.elastic:
         if mode.engine is not Engine.SYNC or args.max_restarts < 0:
             print("towers run: --elastic needs sync mode and --max-restarts >= 0", file=sys.stderr)
@@ -154,6 +157,7 @@ def _run(args: argparse.Namespace) -> int:
         port=args.port,
         secret=secret,
         show_ranks=args.show_ranks,
+        max_restarts=args.max_restarts,
     )
 
 

@@ -117,7 +117,7 @@ def _add_run(sub: argparse._SubParsersAction, handler: Handler) -> None:
         "run",
         help="run a script as N local workers (the torchrun environment)",
         usage="towers run SCRIPT [-n N] [--mode M] [--show-ranks R[,R...]] [--addr A] "
-        "[--port P] [--secret-file F] [--elastic [--max-restarts R] [--timeout S] "
+        "[--port P] [--secret-file F] [--max-restarts R] [--elastic [--timeout S] "
         "[--nnodes M|MIN:MAX [--node-rank R] [--node-timeout S]]] [--] [ARGS ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="""\
@@ -218,7 +218,10 @@ def _add_run_elastic(run: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="R",
-        help="with --elastic: replacements that may join a running job (default 0)",
+        help="with --elastic: replacements that may join a running job; without: restart every "
+        "rank when one fails, up to R times, as torchrun's --max-restarts does (the script "
+        "resumes from its own checkpoint; TORCHELASTIC_RESTART_COUNT says the attempt), the way "
+        "a script on towers.ddp survives a lost worker (default 0)",
     )
     run.add_argument(
         "--timeout",
