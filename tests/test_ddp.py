@@ -22,6 +22,7 @@ from torch import nn
 
 import towers.ddp as dist
 from towers.api.sampler import DistributedSampler
+from towers.core.launch import RESTARTS_INSTEAD
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ddp_dropin.py"
@@ -296,12 +297,20 @@ def test_a_parameter_server_mode_is_refused_before_the_job_is_joined(monkeypatch
     assert not dist.is_initialized()
 
 
-def test_an_elastic_job_is_refused_before_it_is_joined(monkeypatch):
+def test_an_elastic_job_restarts_on_one_host_and_is_refused_across_hosts(monkeypatch):
     """Under towers run --elastic a lost worker's step is redone, which a script's own
-    loss.backward() cannot be: refused with the way out, before any connection."""
+    loss.backward() cannot be. On one host the ranks hand the job back to towers run, which
+    restarts every rank instead (the exit code says so); across hosts it is refused with the
+    way out. Both before any connection."""
     monkeypatch.setenv("TOWERS_ELASTIC", "1")
+    with pytest.raises(SystemExit) as exited:
+        dist.init_process_group("gloo")
+    assert exited.value.code == RESTARTS_INSTEAD
+    launched = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for name, value in {**launched, "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(
-        ValueError, match=r"does not run under towers run --elastic.*--max-restarts R.*ctx\.step"
+        ValueError, match=r"--elastic across hosts.*torchrun --max-restarts R.*ctx\.step"
     ):
         dist.init_process_group("gloo")
     assert not dist.is_initialized()
@@ -412,10 +421,18 @@ def test_a_lost_worker_restarts_every_rank_from_the_script_s_checkpoint(tmp_path
     assert run([*base, "--", str(whole)], tmp_path, timeout=100).returncode == 0
     got, expected = torch.load(lost / "final.pt"), torch.load(whole / "final.pt")
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+    # under --elastic the same: the script is on towers.ddp, so every rank restarts
+    elastic = tmp_path / "elastic"
+    elastic.mkdir()
+    again = run([*base, "--elastic", "--max-restarts", "1", "--", str(elastic), "5"], tmp_path, 100)
+    assert again.returncode == 0, again.stdout
+    assert "runs on towers.ddp, whose steps cannot be redone without a lost worker" in again.stdout
+    got = torch.load(elastic / "final.pt")
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
     # without restarts the job fails with the lost rank's code
-    again = tmp_path / "again"
-    again.mkdir()
-    failed = run([*base, "--", str(again), "5"], tmp_path, timeout=100)
+    once = tmp_path / "once"
+    once.mkdir()
+    failed = run([*base, "--", str(once), "5"], tmp_path, timeout=100)
     assert failed.returncode == 137 and "restarting" not in failed.stdout
 
 

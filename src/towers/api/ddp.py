@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
 from ..core.devices import moved
-from ..core.launch import read_launch
+from ..core.launch import RESTARTS_INSTEAD, read_launch
 from ..core.modes import Engine, parse_mode
 from ..engines.job import OptimizerFactory
 from ..engines.sync.state import RunState
@@ -115,15 +115,17 @@ def init_process_group(
             f"towers run --mode {launch.mode} runs a parameter server, which towers.ddp does "
             "not: a DDP script trains in sync (default) or in diloco:H / sparseloco:H"
         )
+    if launch.elastic and launch.group_world_size == 1 and not launch.joining:
+        raise SystemExit(RESTARTS_INSTEAD)  # towers run restarts every rank on a loss instead
     if launch.elastic:
         raise ValueError(
-            "towers.ddp does not run under towers run --elastic: a step that loses a worker "
-            "is redone on the same batch, which a script's own loss.backward() cannot be. A "
-            "DDP script survives a lost worker as under torchrun: start it with towers run "
-            "--max-restarts R (without --elastic), which restarts every rank when one fails, "
-            "and let it resume from its own checkpoint; or port the loop to ctx = "
-            "towers.init() and ctx.step(loss, optimizer), which goes on without the lost "
-            "worker (docs/elastic.md)"
+            "towers.ddp does not run under towers run --elastic across hosts: a step that "
+            "loses a worker is redone on the same batch, which a script's own loss.backward() "
+            "cannot be. A DDP script survives a lost worker as under torchrun: start it with "
+            "torchrun --max-restarts R (or on one host towers run --max-restarts R), which "
+            "restarts every rank when one fails, and let it resume from its own checkpoint; or "
+            "port the loop to ctx = towers.init() and ctx.step(loss, optimizer), which goes on "
+            "without the lost worker (docs/elastic.md)"
         )
     seconds = timeout.total_seconds() if timeout is not None else None
     job = join(launch, backend=_backend(backend), timeout=seconds)

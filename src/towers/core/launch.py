@@ -42,6 +42,9 @@ MODE = "TOWERS_MODE"
 TRANSPORT = "TOWERS_TRANSPORT"
 ELASTIC = "TOWERS_ELASTIC"
 COMPRESS = "TOWERS_COMPRESS"
+# The exit code of a towers.ddp script's ranks under towers run --elastic on one host: its
+# steps cannot be redone without a lost worker, so the launcher restarts every rank instead.
+RESTARTS_INSTEAD = 76
 SECRET = "TOWERS_SECRET"
 _AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 _RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"

@@ -46,10 +46,12 @@ from ..comm import protocol
 from ..comm.net import DEFAULT_ADDR, free_port, is_loopback
 from ..comm.rendezvous import choose_interface
 from ..comm.store import get_signed, put_signed
+from ..core.launch import RESTARTS_INSTEAD
 from ..core.secret import JobSecret, new_secret
 from .elastic_members import Generations, serve_store
 from .elastic_workers import Forked, ScriptStarter, Starter, Worker
 from .env import worker_env
+from .launch import restarting
 from .pack import pack
 from .spawn import WorkerError, _context, _worker_main
 
@@ -399,6 +401,11 @@ def run_script_elastic(
     worker has exited 0, else the failed worker's exit code. The job's store listens on
     ``addr``:``port`` (a free port by default); its workers get ``secret`` (a fresh one by
     default) in their environment.
+
+    A script on ``towers.ddp`` cannot redo a step without a lost worker: its ranks exit with
+    :data:`~towers.core.launch.RESTARTS_INSTEAD` as they join, and the job runs as
+    ``towers run --max-restarts`` runs it (:func:`~towers.processes.launch.run_script`): every
+    rank starts again when one fails, up to ``max_restarts`` times.
     """
     if not is_loopback(addr):
         choose_interface(addr, "gloo")  # the workers' Gloo listens on addr's interface too
@@ -414,12 +421,17 @@ def run_script_elastic(
     try:
         outcome = sup.run(until_all=True)
     except WorkerError as exc:
-        print(f"towers run: {exc}", file=sys.stderr)
-        code = exc.exitcode or 1
-        return code if code > 0 else 128 - code
+        if exc.exitcode != RESTARTS_INSTEAD:
+            print(f"towers run: {exc}", file=sys.stderr)
+            code = exc.exitcode or 1
+            return code if code > 0 else 128 - code
+        outcome = None
     finally:
         sup.stop()
         start.close()
+    if outcome is None:  # a script on towers.ddp
+        del sup, peers  # the store's port is free again
+        return restarting(script, workers, args, max_restarts, addr, port, secret)
     if outcome.dead:
         print(
             f"towers run: workers {outcome.dead} were lost, {outcome.replacements} replaced; "

@@ -17,7 +17,7 @@ from .lifeline import Terminated
 from .output import RankOutput
 from .zygote import Rank, start_script, zygote_for
 
-__all__ = ["run_script"]
+__all__ = ["restarting", "run_script"]
 
 
 def _terminated(signum: int, frame: object) -> None:
@@ -80,6 +80,28 @@ def run_script(
         if zygote is not None:
             zygote.close()
         signal.signal(signal.SIGTERM, previous)
+
+
+def restarting(
+    script: str,
+    workers: int,
+    args: Sequence[str],
+    max_restarts: int,
+    addr: str,
+    port: int | None,
+    secret: str | None,
+) -> int:
+    """A script on ``towers.ddp`` under ``towers run --elastic`` (its ranks exited with
+    :data:`~towers.core.launch.RESTARTS_INSTEAD`): :func:`run_script` with ``max_restarts``."""
+    print(
+        f"towers run: {script} runs on towers.ddp, whose steps cannot be redone without a lost "
+        f"worker: when a worker fails, every rank starts again (up to {max_restarts} times, "
+        "--max-restarts) and the script resumes from its own checkpoint, as under torchrun",
+        file=sys.stderr,
+    )
+    return run_script(
+        script, workers, args, addr=addr, port=port, secret=secret, max_restarts=max_restarts
+    )
 
 
 def _attempt(
