@@ -325,11 +325,23 @@ def test_the_nan_guard_on_cuda_tensors_skips_the_step():
         return model, []
 
     Reference.run(plain_loop).check(result.model, "a step skipped on CUDA")
-    # the own loop: every .grad is None after a skipped step, on the GPU too
+    # the own loop: on a GPU the step is decided on the device (docs/gpu.md): its .grad keep
+    # the non-finite sums, and the next optimizer.step() changes nothing, with a fused
+    # optimizer (found_inf) as with any other
     ctx = towers.init(device="cuda")
     model = ctx.replicate(make_net())
-    r = ctx.backward(mse(model, (x[:8].to(CUDA), y[:8].to(CUDA))) * float("inf"))
-    assert r.skipped and all(p.grad is None for p in model.parameters())
+    for fused in (True, False):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+        ctx.step(mse(model, (x[:8].to(CUDA), y[:8].to(CUDA))), opt)  # builds the state
+        before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        r = ctx.backward(mse(model, (x[:8].to(CUDA), y[:8].to(CUDA))) * float("inf"))
+        opt.step()
+        opt.zero_grad()
+        after = (model.state_dict(), opt.state_dict())
+        assert r.skipped and r.culprits == [0]
+        assert all(torch.equal(a, b) for a, b in zip(before[0].values(), after[0].values()))
+        for s0, s1 in zip(before[1]["state"].values(), after[1]["state"].values()):
+            assert all(torch.equal(s0[k], s1[k]) for k in s0), f"fused={fused}"
     ctx.close()
 
 
