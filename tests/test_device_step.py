@@ -211,3 +211,27 @@ def test_float16_without_a_scaler_is_named():
         ctx.backward(mse(model, shard), scaler=scaler)  # with its scaler: trained
     finally:
         ctx.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compress", ["int8", "powersgd:1"])
+def test_a_compressed_step_decided_on_the_device_trains_as_the_eager_one(monkeypatch, compress):
+    """A transform with state (an error-feedback residual, PowerSGD's warm start) commits it
+    only for applied steps; decided on the device, it is committed when the next step needs
+    it. With a NaN step among them, both paths train to the same parameters, bit for bit."""
+    x, y = regression_data(40)
+    x[NAN_SAMPLE, 1] = math.nan
+    options = dict(batch_size=10, steps=8, workers=2, seed=5, progress=False, balance=False)
+    runs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv(DECIDE_ON_DEVICE, on)
+        with pytest.warns(RuntimeWarning, match=r"NaN or Inf in 1 sample"):
+            opt = OPTIMIZERS["adamw-fused"]
+            runs.append(
+                towers.train(make_net(), mse, (x, y), optimizer=opt, compress=compress, **options)
+            )
+    device, eager = runs
+    assert device.skipped == eager.skipped and len(eager.skipped) == 2
+    assert device.losses == pytest.approx(eager.losses, nan_ok=True, rel=0, abs=0)
+    for a, b in zip(device.model.parameters(), eager.model.parameters()):
+        assert torch.equal(a, b)

@@ -167,6 +167,7 @@ class SyncDriver:
     def gather_streams(self) -> dict[str, list[Any]]:
         """Every rank's random stream and transform state (a collective), for a checkpoint."""
         comm = self.group.comm
+        self._settle()
         streams = {
             "rng": comm.all_gather_object(torch.get_rng_state()),
             "transform": comm.all_gather_object(moved(saved_state(self.state), "cpu")),
@@ -219,6 +220,7 @@ class SyncDriver:
         return self.owner.progress() if self.owner is not None else 0
 
     def snapshot(self) -> Any:
+        self._settle()
         owner = self.owner.snapshot() if self.owner is not None else None
         return {"owner": owner, "transform": saved_state(self.state)}
 
@@ -361,9 +363,15 @@ class SyncDriver:
             for p in self.plan.params:
                 p.grad = None
 
+    def _settle(self) -> None:
+        """The transform's committed state, after a step decided on the device."""
+        if self.sync is not None:
+            self.state = self.sync.settle()
+
     def remove(self) -> None:
         """Detach the hooks (the model trains on without averaging)."""
         if self.sync is not None:
+            self._settle()
             self.sync.remove()
             self.sync = None
         if self.guard is not None:

@@ -165,6 +165,8 @@ class GradientSync:
         self.on_unarmed: Callable[[], bool] | None = None
         self.regroup = False  # whether the last finished step asked every rank to regroup
         self.defer = False  # decide steps on the device (towers.core.verdict), where it can
+        # (a step decided there, its transform state after it): committed by settle()
+        self._uncommitted: tuple[StepResult, Any] | None = None
         self._chosen: list[int] = []  # the buckets of the step in flight, in launch order
         self._checked = False  # whether the step in flight carries a batch stamp
         self._reset()
@@ -192,6 +194,18 @@ class GradientSync:
     def commit(self, state: Any) -> None:
         """The transform state the next step starts from (the caller applied the last one)."""
         self.state = self._next_state = state
+        self._uncommitted = None
+
+    def settle(self) -> Any:
+        """The committed transform state, once the last step decided on the device is read:
+        the state after it if it was applied, else the one before. Its numbers have long
+        arrived when the next step's first bucket asks (they were copied before its kernels)."""
+        if self._uncommitted is not None:
+            result, state = self._uncommitted
+            self._uncommitted = None
+            if not result.skipped:
+                self.commit(state)
+        return self.state
 
     def remove(self) -> None:
         """Detach the hooks from the parameters."""
@@ -240,6 +254,8 @@ class GradientSync:
         self._finite = both_finite(self._finite, finite_flag(buf))
 
     def _reduce(self, bucket: Bucket) -> None:
+        if self._uncommitted is not None:
+            self.settle()
         levels = self.comm.levels
         if levels is None:
             out, self._next_state = self.transform.reduce(self._next_state, bucket, self.comm)
@@ -408,14 +424,10 @@ class GradientSync:
 
     def _decides_on_device(self) -> bool:
         """Whether this step is decided without the host reading it (:mod:`towers.core.verdict`):
-        where asked, for gradients (not values) with a stateless transform, and where every
-        parameter had a gradient here, so that none is left ``None`` by the sum."""
-        return (
-            self.defer
-            and self._values is None
-            and self._next_state is None
-            and bool(self._had_grad.all())
-        )
+        where asked, for gradients (not values), and where every parameter had a gradient
+        here, so that none is left ``None`` by the sum. A transform's state after the step is
+        committed when the next step first needs it (:meth:`settle`)."""
+        return self.defer and self._values is None and bool(self._had_grad.all())
 
     def _land_pending(
         self, tail: torch.Tensor, chosen: list[tuple[torch.Tensor, Any]]
@@ -430,5 +442,7 @@ class GradientSync:
                 p = self.params[i]
                 p.grad = buf[start:stop].view_as(p)
         self.regroup = False
+        if self._next_state is not self.state:
+            self._uncommitted = (result, self._next_state)
         self._reset()
         return result, None, {}
