@@ -428,19 +428,20 @@ class Context:
 
     def close(self) -> None:
         """Leave the job: remove the hooks and, if :func:`init` created it, the process group.
-
         In an elastic job, first wait until every member has done every step. Afterwards
-        :attr:`rank`, :attr:`world_size` and :attr:`is_main` keep the values they had in the job
-        (``if ctx.is_main: save(...)`` after ``close`` runs on rank 0 only).
+        :attr:`rank`, :attr:`world_size` and :attr:`is_main` keep their values in the job.
         """
         if self._left is None:
             self._left = (self.rank, self.world_size)
         driver = self._steps.driver
-        self._group.finish(driver if driver.model is not None else None)
-        driver.remove()
-        if self._state.sharding is not None:
-            self._state.sharding.remove()
-        self._group.close()
+        try:
+            self._steps.runner.land(wait=True)  # the last steps decided on the device: read
+        finally:
+            self._group.finish(driver if driver.model is not None else None)
+            driver.remove()
+            if self._state.sharding is not None:
+                self._state.sharding.remove()
+            self._group.close()
 
     def __enter__(self) -> Context:
         return self

@@ -60,6 +60,12 @@ class PendingResult(StepResult):
         """Whether the numbers were read already."""
         return object.__getattribute__(self, "_pending") is None
 
+    def read(self) -> None:
+        """:meth:`resolve`, unless that was done (or failed) before: the numbers of a step
+        that has landed, whose failure, if any, was raised once already."""
+        if not self.resolved() and object.__getattribute__(self, "_failure") is None:
+            self.resolve()
+
     def then(self, check: Callable[[StepResult], None]) -> None:
         """Call ``check(self)`` once the numbers are read (now, if they are)."""
         if self.resolved():

@@ -34,6 +34,7 @@ import torch
 from ...comm.hang import calling
 from ...core.agree import BatchStamp
 from ...core.step import StepResult
+from ...core.verdict import PendingResult
 from .driver import SyncDriver
 from .group import Group
 from .plan import Landed
@@ -174,6 +175,8 @@ class StepRunner:
         next split."""
         landed = self.state.plan.results(wait)
         for _, result, _ in landed:
+            if isinstance(result, PendingResult):
+                result.read()  # arrived: read without a wait, and its checks run
             self.state.observe(result)
         return landed
 
