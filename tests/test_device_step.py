@@ -203,7 +203,7 @@ def test_float16_without_a_scaler_is_named():
             loss = mse(model, (x, y))
             with pytest.raises(ValueError, match=r"autocast\('cpu', dtype=torch.float16\)"):
                 ctx.backward(loss)
-        model.half()
+        model = ctx.replicate(Net().half())
         (shard,) = ctx.shards([(x.half(), y.half())])
         with pytest.raises(ValueError, match=r"ctx.backward\(loss, scaler=torch.amp.GradScaler"):
             ctx.step(mse(model, shard), torch.optim.SGD(model.parameters(), lr=0.1))

@@ -91,7 +91,7 @@ class SyncDriver:
         self.model: nn.Module | None = None
         self.plan: BucketPlan | None = None
         self.sync: GradientSync | None = None
-        self.state: Any = None  # the transform's committed state
+        self._state: Any = None  # the transform's committed state (see state)
         self.samples = 0  # this tower's samples since the last reduce()
         self.loss_sum: float | torch.Tensor = 0.0  # and their loss sum (a tensor, unread)
         self.seconds = 0.0  # and the compute time they took
@@ -167,7 +167,6 @@ class SyncDriver:
     def gather_streams(self) -> dict[str, list[Any]]:
         """Every rank's random stream and transform state (a collective), for a checkpoint."""
         comm = self.group.comm
-        self._settle()
         streams = {
             "rng": comm.all_gather_object(torch.get_rng_state()),
             "transform": comm.all_gather_object(moved(saved_state(self.state), "cpu")),
@@ -220,7 +219,6 @@ class SyncDriver:
         return self.owner.progress() if self.owner is not None else 0
 
     def snapshot(self) -> Any:
-        self._settle()
         owner = self.owner.snapshot() if self.owner is not None else None
         return {"owner": owner, "transform": saved_state(self.state)}
 
@@ -363,10 +361,20 @@ class SyncDriver:
             for p in self.plan.params:
                 p.grad = None
 
+    @property
+    def state(self) -> Any:
+        """The transform's committed state (after a step decided on the device, once that
+        step's numbers are read)."""
+        self._settle()
+        return self._state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self._state = state
+
     def _settle(self) -> None:
-        """The transform's committed state, after a step decided on the device."""
-        if self.sync is not None:
-            self.state = self.sync.settle()
+        if self.sync is not None and (settled := self.sync.settle()) is not None:
+            self._state = settled
 
     def remove(self) -> None:
         """Detach the hooks (the model trains on without averaging)."""

@@ -197,15 +197,18 @@ class GradientSync:
         self._uncommitted = None
 
     def settle(self) -> Any:
-        """The committed transform state, once the last step decided on the device is read:
-        the state after it if it was applied, else the one before. Its numbers have long
-        arrived when the next step's first bucket asks (they were copied before its kernels)."""
-        if self._uncommitted is not None:
-            result, state = self._uncommitted
-            self._uncommitted = None
-            if not result.skipped:
-                self.commit(state)
-        return self.state
+        """Decide the state after the last step decided on the device, once its numbers are
+        read: the state it ended with if it was applied (returned; committed here), else
+        ``None`` (the one before stays). Its numbers have long arrived when the next step's
+        first bucket asks: they were copied before its kernels."""
+        if self._uncommitted is None:
+            return None
+        result, state = self._uncommitted
+        self._uncommitted = None
+        if result.skipped:
+            return None
+        self.commit(state)
+        return state
 
     def remove(self) -> None:
         """Detach the hooks from the parameters."""
