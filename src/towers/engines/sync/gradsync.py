@@ -201,14 +201,11 @@ class GradientSync:
         read: the state it ended with if it was applied (returned; committed here), else
         ``None`` (the one before stays). Its numbers have long arrived when the next step's
         first bucket asks: they were copied before its kernels."""
-        if self._uncommitted is None:
+        pending, self._uncommitted = self._uncommitted, None
+        if pending is None or pending[0].skipped:
             return None
-        result, state = self._uncommitted
-        self._uncommitted = None
-        if result.skipped:
-            return None
-        self.commit(state)
-        return state
+        self.commit(pending[1])
+        return pending[1]
 
     def remove(self) -> None:
         """Detach the hooks from the parameters."""
