@@ -18,6 +18,7 @@ import pytest
 import torch
 from exact import Reference, as_float64
 from helpers import Net, make_net, mse, regression_data
+from torch import nn
 
 import towers
 from towers.core.verdict import PendingResult, known
@@ -183,7 +184,7 @@ def test_a_pending_result_reads_once_and_keeps_its_failure():
         raise ValueError("the ranks disagree")
 
     r = PendingResult(torch.tensor(False), torch.zeros(3), read)
-    assert not known(r) and r.ready()
+    assert not known(r)
     for _ in range(2):
         with pytest.raises(ValueError, match="the ranks disagree"):
             r.skipped  # noqa: B018
@@ -235,3 +236,63 @@ def test_a_compressed_step_decided_on_the_device_trains_as_the_eager_one(monkeyp
     assert device.losses == pytest.approx(eager.losses, nan_ok=True, rel=0, abs=0)
     for a, b in zip(device.model.parameters(), eager.model.parameters()):
         assert torch.equal(a, b)
+
+
+class _TwoHeads(nn.Module):
+    """A model whose second head a step may leave out (no tower has its gradient then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 1), nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor, both: bool = True) -> torch.Tensor:
+        return self.a(x) + (self.b(x) if both else 0)
+
+
+def _habits(kind: str):
+    """What scripts do around a step: a GradScaler over a fused optimizer after a plain
+    ``loss.backward()``; two optimizers over halves of the model; a loop that steps only the
+    steps it reads as applied, then a step decided on the host (one head without a gradient)."""
+    ctx = towers.init(timeout=60)
+    try:
+        torch.manual_seed(0)
+        model = ctx.replicate(_TwoHeads(), balance=False)
+        params = list(model.parameters())
+        if kind == "two optimizers":
+            opts = [torch.optim.AdamW(ps, lr=0.05, fused=True) for ps in (params[:2], params[2:])]
+        else:
+            opts = [torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=kind == "scaler")]
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if kind == "scaler" else None
+        for k, (x, y) in enumerate(ctx.shards(batches())):
+            loss = nn.functional.mse_loss(model(x, both=k != STEPS - 1), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opts[0])
+                scaler.update()
+            elif kind == "two optimizers":
+                ctx.backward(loss)
+                for opt in opts:
+                    opt.step()
+            elif not ctx.backward(loss).skipped:  # read at once: steps only applied steps
+                opts[0].step()
+            for opt in opts:
+                opt.zero_grad()
+        return {n: p.detach().clone() for n, p in model.state_dict().items()}
+    finally:
+        ctx.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["scaler", "two optimizers", "reads then steps"])
+def test_a_script_s_habits_train_as_on_the_eager_path(monkeypatch, kind):
+    """Each habit with a NaN step among them: decided on the device, the run ends where the
+    eager path's does, bit for bit (a GradScaler's own found_inf is kept, every optimizer over
+    the model is guarded, and a skipped step's decision never reaches a later step)."""
+    runs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv(DECIDE_ON_DEVICE, on)
+        runs.append(towers.spawn(functools.partial(_habits, kind), 2)[0])
+    device, eager = runs
+    assert all(torch.isfinite(v).all() for v in eager.values())
+    for name, value in eager.items():
+        assert torch.equal(device[name], value), name

@@ -67,10 +67,9 @@ SHARDED_JOIN = (
     "DistributedSampler ends the ranks' batches together), or step a whole optimizer"
 )
 PLAIN_BACKWARD_SKIPPED = (
-    "step {step} skipped: a gradient was not finite on tower(s) {towers}, so every .grad is "
-    "None on every rank and optimizer.step() changes nothing (said once). With a float16 "
-    "GradScaler, `scaler.scale(loss).backward()` cannot lower the scale this way and every "
-    "later step may be skipped too: use ctx.backward(loss, scaler=scaler) in its place"
+    "step {step} skipped: a gradient was not finite on tower(s) {towers}, so every .grad "
+    "holds NaN on every rank, the next optimizer.step() changes nothing and a GradScaler "
+    "lowers its scale as in one process (said once)"
 )
 BACKWARD_TWICE = (
     "the parameters already hold gradients when ctx.backward()/ctx.step() starts. Either "

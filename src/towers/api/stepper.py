@@ -29,13 +29,13 @@ from torch import nn
 from ..comm.hang import calling
 from ..core.agree import BatchStamp
 from ..core.step import StepResult
-from ..core.verdict import when_known
+from ..core.verdict import known, when_known
 from ..engines.replica import check_loss
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.group import Group
 from ..engines.sync.runner import StepRunner
 from ..engines.sync.state import LastResult, RunState
-from .amp import FIX_LOOP, FLOAT16, float16_without_scaler
+from .amp import FIX_LOOP, FLOAT16, float16_without_scaler, poison_grads
 from .micro import MicroBatches
 from .mistakes import (
     BACKWARD_TWICE,
@@ -263,6 +263,9 @@ class Stepper:
             result = self._complete(None, self._stamp())
         finally:
             self._done()
+        if known(result) and result.skipped and self.state.sharding is None:  # NaN for a scaler
+            poison_grads(self.driver.params)
+            self.driver.hold(result)  # and the script's optimizer.step() changes nothing
         when_known(result, functools.partial(self._plain_done, step=self.state.steps - 1))
         self.runner.exchange(final=False)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ import torch
 from .agree import BatchStamp
 from .step import StepMeta, StepResult, step_result
 
-__all__ = ["PendingResult", "arrived", "decide", "known", "when_known"]
+__all__ = ["PendingResult", "decide", "known", "when_known"]
 
 # read lazily; ``redo`` is known: a step decided on the device is never redone
 _FIELDS = frozenset(f.name for f in dataclasses.fields(StepResult)) - {"redo"}
@@ -50,11 +50,6 @@ class PendingResult(StepResult):
     @property
     def ok(self) -> torch.Tensor:
         return object.__getattribute__(self, "_ok")
-
-    def ready(self) -> bool:
-        """Whether the numbers have arrived (reading them would not wait)."""
-        pending = object.__getattribute__(self, "_pending")
-        return pending is None or pending[3] is None or pending[3].query()
 
     def resolved(self) -> bool:
         """Whether the numbers were read already."""
@@ -94,8 +89,14 @@ class PendingResult(StepResult):
         object.__setattr__(self, "_pending", None)
         checks = object.__getattribute__(self, "_checks")
         object.__setattr__(self, "_checks", [])
-        for check in checks:
-            check(self)
+        failures = []
+        for check in checks:  # every one runs; the first failure is raised
+            try:
+                check(self)
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
     def __getattribute__(self, name: str) -> Any:
         if name in _FIELDS and object.__getattribute__(self, "_pending") is not None:
@@ -109,17 +110,6 @@ class PendingResult(StepResult):
 def known(result: StepResult) -> bool:
     """Whether ``result``'s numbers can be read without waiting for a device."""
     return not isinstance(result, PendingResult) or result.resolved()
-
-
-def arrived(results: Iterable[StepResult]) -> int:
-    """How many of ``results``, in order, can be read without waiting (up to the first that
-    cannot)."""
-    n = 0
-    for r in results:
-        if isinstance(r, PendingResult) and not r.ready():
-            break
-        n += 1
-    return n
 
 
 def when_known(result: StepResult, check: Callable[[StepResult], None]) -> None:

@@ -145,8 +145,6 @@ class SyncDriver:
         self.sync = GradientSync(self.plan, comm, self.transform, self.state)
         self.sync.on_unarmed = self.on_unarmed
         self.sync.defer = self.defer
-        if self.defer and self.guard is None:
-            self.guard = StepGuard(self.plan.params).start()
         if self.group.elastic:
             self.settle()
         if self.owner is not None:
@@ -307,16 +305,15 @@ class SyncDriver:
         sync = self._sync()
         result, state, means = sync.land()
         if isinstance(result, PendingResult):  # decided on the device: the step guards
-            assert self.guard is not None
-            self.guard.guard(result)
+            self.hold(result)
             return result, None
+        self.unguard()  # decided on the host: its .grad say it
         if sync.regroup:
             self.group.regroup_after_step()
         if result.skipped:
             self.zero_grad()
         else:
-            self.state = state
-            sync.commit(state)
+            self.state = state  # committed to the sync
         if result.skipped or not means:
             return result, None
         params = self._plan().params
@@ -351,10 +348,17 @@ class SyncDriver:
             self.unguard()
         self.zero_grad()
 
+    def hold(self, result: StepResult) -> None:
+        """Guard the optimizer steps until the next decision with ``result``'s: skipped on the
+        device if it was decided there, else as its ``skipped`` says."""
+        if self.guard is None:
+            self.guard = StepGuard(self._plan().params).start()
+        self.guard.guard(result)
+
     def unguard(self) -> None:
-        """The next optimizer step is not a decided step's (a ``GradScaler`` steps it)."""
+        """The next optimizer steps are no decided step's (a ``GradScaler`` steps them)."""
         if self.guard is not None:
-            self.guard.pending = None
+            self.guard.clear()
 
     def zero_grad(self) -> None:
         if self.plan is not None:
@@ -364,22 +368,22 @@ class SyncDriver:
     @property
     def state(self) -> Any:
         """The transform's committed state (after a step decided on the device, once that
-        step's numbers are read)."""
-        self._settle()
+        step's numbers are read): the attached sync's, which commits it."""
+        if self.sync is not None:
+            self.sync.settle()
+            self._state = self.sync.state
         return self._state
 
     @state.setter
     def state(self, state: Any) -> None:
         self._state = state
-
-    def _settle(self) -> None:
-        if self.sync is not None and (settled := self.sync.settle()) is not None:
-            self._state = settled
+        if self.sync is not None:
+            self.sync.commit(state)
 
     def remove(self) -> None:
         """Detach the hooks (the model trains on without averaging)."""
         if self.sync is not None:
-            self._settle()
+            self._state = self.state  # settled, before the sync goes
             self.sync.remove()
             self.sync = None
         if self.guard is not None:

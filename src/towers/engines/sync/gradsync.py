@@ -196,16 +196,13 @@ class GradientSync:
         self.state = self._next_state = state
         self._uncommitted = None
 
-    def settle(self) -> Any:
-        """Decide the state after the last step decided on the device, once its numbers are
-        read: the state it ended with if it was applied (returned; committed here), else
-        ``None`` (the one before stays). Its numbers have long arrived when the next step's
-        first bucket asks: they were copied before its kernels."""
+    def settle(self) -> None:
+        """Commit the state after the last step decided on the device if that step was
+        applied, once its numbers are read (the next step's first bucket asks: its numbers
+        were copied before the next step's kernels were queued, so they have usually arrived)."""
         pending, self._uncommitted = self._uncommitted, None
-        if pending is None or pending[0].skipped:
-            return None
-        self.commit(pending[1])
-        return pending[1]
+        if pending is not None and not pending[0].skipped:
+            self.commit(pending[1])
 
     def remove(self) -> None:
         """Detach the hooks from the parameters."""

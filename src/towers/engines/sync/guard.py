@@ -13,7 +13,10 @@ step a no-op when ``ok`` is false:
   leave state behind), has the flag read on the host before it steps: a skipped step then
   clears every ``.grad`` first, so that the step changes nothing, as in the eager path.
 
-Each decision guards one optimizer step (the next one after it over these parameters).
+A decision guards every optimizer step over these parameters until the next step is
+decided: a model whose parameters two optimizers share between them skips both. A
+``GradScaler`` that steps a fused optimizer hands it its own ``found_inf``; the decision is
+added to it.
 """
 
 from __future__ import annotations
@@ -26,31 +29,38 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from ...core.verdict import PendingResult
+from ...core.step import StepResult
+from ...core.verdict import PendingResult, known
 
 __all__ = ["StepGuard", "takes_found_inf"]
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` skips on a device flag with nothing left behind: a torch optimizer
-    that supports a ``GradScaler``'s ``found_inf``, fused, with its state already built."""
+    that supports a ``GradScaler``'s ``found_inf``, fused, with its state already built (or
+    one that keeps none: SGD without momentum)."""
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return False
     if not all(g.get("fused") for g in optimizer.param_groups):
         return False
+    if isinstance(optimizer, torch.optim.SGD) and all(
+        g["momentum"] == 0 for g in optimizer.param_groups
+    ):
+        return True
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     return bool(params) and all(p in optimizer.state for p in params)
 
 
 class StepGuard:
-    """Guards the next optimizer step over ``params`` with a pending step's ``ok``."""
+    """Guards every optimizer step over ``params`` with a pending step's ``ok``, until the
+    next step is decided (or :meth:`clear`)."""
 
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
         self._ids = {id(p) for p in params}
-        self.pending: PendingResult | None = None
+        self.pending: StepResult | None = None
         self._handles: list[Any] = []
-        self._armed: torch.optim.Optimizer | None = None
+        self._armed: dict[int, bool] = {}  # optimizer id -> its flag is ours to remove after
 
     def start(self) -> StepGuard:
         if not self._handles:
@@ -65,9 +75,15 @@ class StepGuard:
             h.remove()
         self._handles, self.pending = [], None
 
-    def guard(self, result: PendingResult) -> None:
-        """The next optimizer step over these parameters is ``result``'s."""
+    def guard(self, result: StepResult) -> None:
+        """The optimizer steps until the next decision are ``result``'s (one decided on the
+        device, or a skipped one whose ``.grad`` hold NaN for a ``GradScaler`` to see)."""
         self.pending = result
+
+    def clear(self) -> None:
+        """The next optimizer steps are no decided step's (decided on the host, or stepped by
+        a ``GradScaler`` that reads its own flag)."""
+        self.pending = None
 
     def _ours(self, optimizer: torch.optim.Optimizer) -> bool:
         return any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"])
@@ -76,16 +92,20 @@ class StepGuard:
         pending = self.pending
         if pending is None or not self._ours(optimizer):
             return
-        self.pending = None
-        if not pending.resolved() and takes_found_inf(optimizer):
-            optimizer.found_inf = (~pending.ok).float()  # type: ignore[attr-defined]
+        if not known(pending) and takes_found_inf(optimizer):
+            assert isinstance(pending, PendingResult)
+            flag = (~pending.ok).float()
+            scaler_s = getattr(optimizer, "found_inf", None)
+            if scaler_s is not None:  # a GradScaler's step: its flag and ours, its to remove
+                optimizer.found_inf = torch.maximum(scaler_s, flag.to(scaler_s.device))  # type: ignore[attr-defined]
+                return
+            optimizer.found_inf = flag  # type: ignore[attr-defined]
             optimizer.grad_scale = None  # type: ignore[attr-defined]
-            self._armed = optimizer
+            self._armed[id(optimizer)] = True
         elif pending.skipped:  # read on the host: nothing to step
             for p in self.params:
                 p.grad = None
 
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._armed is optimizer:
+        if self._armed.pop(id(optimizer), False):
             del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
-            self._armed = None

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ...core.step import StepResult
-from ...core.verdict import arrived, known
+from ...core.verdict import PendingResult
 from ..replica import Replica
 from .driver import SyncDriver
 
@@ -164,10 +164,11 @@ class EveryStep:
         raise AssertionError("a synchronous step exchanges within the step")
 
     def results(self, wait: bool = False) -> list[Landed]:
-        landed = self._landed
-        n = len(landed) if wait else arrived(r for _, r, _ in landed)
-        if not wait and n == len(landed) and landed and not known(landed[-1][1]):
-            n -= 1  # a step decided on the device lands a step later, on every device alike
+        landed, n = self._landed, len(self._landed)
+        if not wait and landed and isinstance(landed[-1][1], PendingResult):
+            # A step decided on the device lands at the next one, read or not, on every rank
+            # and device alike: the balanced split that follows it must be the same everywhere.
+            n -= 1
         landed, self._landed = landed[:n], landed[n:]
         return landed
 
