@@ -79,6 +79,16 @@ class BatchStamp:
         v[2 * self.world + rank] = mark or 0
         return v
 
+    def agrees(self, summed: torch.Tensor) -> torch.Tensor:
+        """:meth:`check`'s condition where ``summed`` is, read by nobody: every rank at the same
+        step, and every rank with samples on the same batch size and fingerprint (a 0-dim
+        bool tensor)."""
+        w = self.world
+        steps, sizes, marks = summed[:w], summed[w : 2 * w], summed[2 * w :]
+        first = torch.argmax(sizes)
+        same = (sizes == sizes[first]) & (marks == marks[first])
+        return (steps == steps[0]).all() & (same | (sizes == 0)).all()
+
     def check(self, summed: torch.Tensor) -> None:
         """Raise ``ValueError`` (the same on every rank) unless the known values agree."""
         values = [round(x) for x in summed.double().cpu().tolist()]

@@ -32,6 +32,7 @@ __all__ = [
     "assign_mean",
     "both_finite",
     "divide_on_device",
+    "divided_in_stream",
     "finite_flag",
     "local_step",
     "mean_values",
@@ -308,12 +309,22 @@ def divide_on_device(
     checks in one transfer, and the optimizer's kernels follow the step's without a gap.
     Returns the tail on the host and whether every sum was finite.
     """
-    flags = torch.stack([torch.isfinite(flat).all() for flat in flats])
+    finite, _ = divided_in_stream(tail, world, flats)
+    host = torch.cat([tail.double(), finite.double().reshape(1)]).cpu()
+    return host[:-1], bool(host[-1])
+
+
+def divided_in_stream(
+    tail: torch.Tensor, world: int, flats: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check every flat sum for a non-finite value and divide it by the total count (the
+    first ``world`` values of ``tail``), in the device's stream, reading nothing: whether
+    every sum was finite and the total, both 0-dim tensors on the device."""
+    finite = torch.stack([torch.isfinite(flat).all() for flat in flats]).all()
     total = tail[:world].sum()
     for flat in flats:
         flat.div_(total)
-    host = torch.cat([tail.double(), flags.double()]).cpu()
-    return host[: tail.numel()], bool(host[tail.numel() :].all())
+    return finite, total
 
 
 def sum_grads(tower_grads: Sequence[Sequence[torch.Tensor | None]]) -> list[torch.Tensor | None]:

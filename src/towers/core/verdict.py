@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .agree import BatchStamp
-from .step import StepMeta, StepResult, step_result
+from .step import StepMeta, StepResult, divided_in_stream, step_result
 
 __all__ = ["PendingResult", "decide", "known", "when_known"]
 
@@ -129,15 +129,6 @@ def _marker(device: torch.device) -> Any:
     return event
 
 
-def stamps_agree(summed: torch.Tensor, world: int) -> torch.Tensor:
-    """:meth:`BatchStamp.check`'s condition on the device: every rank at the same step, and
-    every rank with samples on the same batch size and fingerprint (a 0-dim bool tensor)."""
-    steps, sizes, marks = summed[:world], summed[world : 2 * world], summed[2 * world :]
-    first = torch.argmax(sizes)
-    same = (sizes == sizes[first]) & (marks == marks[first])
-    return (steps == steps[0]).all() & (same | (sizes == 0)).all()
-
-
 def decide(
     meta: StepMeta,
     tail: torch.Tensor,
@@ -151,13 +142,10 @@ def decide(
     sample somewhere, and the batch stamps agreeing). Its numbers are read when first asked;
     a disagreement of the stamps then raises ``ValueError``, as the eager check does."""
     w = meta.world
-    finite = torch.stack([torch.isfinite(f).all() for f in flats]).all()
-    total = tail[:w].sum()
+    finite, total = divided_in_stream(tail, w, flats)
     ok = finite & (tail[2 * w : 3 * w].sum() == 0) & (total > 0)
     if stamp is not None:
-        ok = ok & stamps_agree(tail[meta.length :], w)
-    for flat in flats:
-        flat.div_(total)
+        ok = ok & stamp.agrees(tail[meta.length :])
     numbers = torch.cat([tail.double(), finite.double().reshape(1)])
     host = numbers.to("cpu", non_blocking=True)
 

@@ -39,6 +39,7 @@ from ...core.step import (
     StepMeta,
     StepResult,
     apply_sums,
+    assign_grads,
     both_finite,
     divide_on_device,
     finite_flag,
@@ -434,10 +435,9 @@ class GradientSync:
         result = decide(
             self.meta, tail, [b for b, _ in chosen], self.stamp if self._checked else None
         )
+        every = [True] * len(self.params)  # every parameter had a gradient here
         for buf, slots in chosen:
-            for i, start, stop in slots:
-                p = self.params[i]
-                p.grad = buf[start:stop].view_as(p)
+            assign_grads(self.params, buf, slots, None, every)
         self.regroup = False
         if self._next_state is not self.state:
             self._uncommitted = (result, self._next_state)
