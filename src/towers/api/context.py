@@ -289,10 +289,8 @@ class Context:
         if not self._state.every_step:
             raise ValueError(BACKWARD_IN_DILOCO)
         result = self._steps.run(loss, samples, None, check_scaler(scaler))
-        if scaler is not None:  # the scaler reads its own flag: no device-side skip
-            self._steps.driver.unguard()
-            if result.skipped:
-                poison_grads(self._steps.driver.params)
+        if scaler is not None and result.skipped:
+            poison_grads(self._steps.driver.params)
         return result
 
     def step(

@@ -57,7 +57,8 @@ def run_script(
     zygote = zygote_for(workers)
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        for attempt in range(max_restarts + 1):
+        attempt = 0
+        while True:
             where = free_port(addr) if port is None else port
             code = _attempt(
                 zygote, script, workers, args, addr, where, failure_grace, secret, show_ranks,
@@ -65,13 +66,13 @@ def run_script(
             )  # fmt: skip
             if code == 0 or attempt == max_restarts:
                 return code
+            attempt += 1
             print(
-                f"towers run: restarting all {workers} ranks (restart {attempt + 1} of "
-                f"{max_restarts}, TORCHELASTIC_RESTART_COUNT={attempt + 1}); the script "
+                f"towers run: restarting all {workers} ranks (restart {attempt} of "
+                f"{max_restarts}, TORCHELASTIC_RESTART_COUNT={attempt}); the script "
                 "resumes from its own checkpoint",
                 file=sys.stderr,
             )
-        raise AssertionError("unreachable")
     except KeyboardInterrupt as exc:
         what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
         print(f"towers run: stopped by {what}; stopping every rank", file=sys.stderr)

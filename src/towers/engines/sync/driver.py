@@ -307,7 +307,8 @@ class SyncDriver:
         if isinstance(result, PendingResult):  # decided on the device: the step guards
             self.hold(result)
             return result, None
-        self.unguard()  # decided on the host: its .grad say it
+        if self.guard is not None:  # decided on the host: its .grad say it
+            self.guard.clear()
         if sync.regroup:
             self.group.regroup_after_step()
         if result.skipped:
@@ -344,8 +345,6 @@ class SyncDriver:
         decided on the device steps the optimizer under its guard, which skips it there."""
         if not known(result) or not result.skipped:
             optimizer.step()
-        else:
-            self.unguard()
         self.zero_grad()
 
     def hold(self, result: StepResult) -> None:
@@ -354,11 +353,6 @@ class SyncDriver:
         if self.guard is None:
             self.guard = StepGuard(self._plan().params).start()
         self.guard.guard(result)
-
-    def unguard(self) -> None:
-        """The next optimizer steps are no decided step's (a ``GradScaler`` steps them)."""
-        if self.guard is not None:
-            self.guard.clear()
 
     def zero_grad(self) -> None:
         if self.plan is not None:

@@ -81,8 +81,8 @@ class StepGuard:
         self.pending = result
 
     def clear(self) -> None:
-        """The next optimizer steps are no decided step's (decided on the host, or stepped by
-        a ``GradScaler`` that reads its own flag)."""
+        """The next optimizer steps are no decided step's (the next step was decided on the
+        host, and its ``.grad`` say what it was)."""
         self.pending = None
 
     def _ours(self, optimizer: torch.optim.Optimizer) -> bool:
