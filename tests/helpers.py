@@ -52,6 +52,20 @@ def regression_data(n: int = 45, seed: int = 1) -> tuple[torch.Tensor, torch.Ten
     return x, y
 
 
+def towers_holding(sample: int, samples: int, batch: int, workers: int, seed: int, epochs: int):
+    """For each global batch of ``towers.train``'s shuffled order (DataLoader's, from ``seed``)
+    over ``epochs`` epochs: the towers whose even shard holds ``sample`` (a step's culprits,
+    where that sample is not finite)."""
+    order = DataLoader(
+        range(samples),
+        batch_size=batch,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    batches = [b for _ in range(epochs) for b in order]
+    return [[i for i, s in enumerate(split(b, workers)) if sample in s.tolist()] for b in batches]
+
+
 def reference_loop(
     model: nn.Module,
     data,

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 from exact import Reference, as_float64
-from helpers import Net, make_net, mse, regression_data
+from helpers import Net, make_net, mse, regression_data, towers_holding
 from torch import nn
 
 import towers
@@ -134,13 +134,9 @@ def test_train_skips_on_the_device_and_names_the_culprit(on_device, kind):
     )
     assert len(reference.skipped) == 2
     assert [s for s, _ in result.skipped] == reference.skipped
-    order = torch.utils.data.DataLoader(
-        range(40), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(5)
-    )
-    steps = [b for _ in range(2) for b in order]
+    holding = towers_holding(NAN_SAMPLE, 40, batch, workers, seed=5, epochs=2)
     for step, culprits in result.skipped:
-        shards = towers.split(steps[step], workers)
-        assert culprits == [i for i, s in enumerate(shards) if NAN_SAMPLE in s.tolist()]
+        assert culprits == holding[step]
     reference.check_losses(result.losses)
     reference.check(result.model)
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from exact import Reference
-from helpers import Net, dict_mse, make_net, mse, regression_data
+from helpers import Net, dict_mse, make_net, mse, regression_data, towers_holding
 from torch.utils.data import Dataset
 
 import towers
@@ -145,13 +145,9 @@ def test_nan_in_one_sample_skips_the_step_on_every_tower(transport):
     assert len(reference.skipped) == 2
     assert [s for s, _ in result.skipped] == reference.skipped
     # the culprit is the tower whose shard holds sample 7
-    order = torch.utils.data.DataLoader(
-        range(40), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(5)
-    )
-    batches = [b for _ in range(2) for b in order]
+    holding = towers_holding(7, 40, batch, workers, seed=5, epochs=2)
     for step, culprits in result.skipped:
-        shards = towers.split(batches[step], workers)
-        assert culprits == [i for i, s in enumerate(shards) if 7 in s.tolist()]
+        assert culprits == holding[step]
         assert math.isnan(result.losses[step])
         assert sum(math.isnan(v) for v in result.tower_losses[step]) == 1
     reference.check_losses(result.losses)

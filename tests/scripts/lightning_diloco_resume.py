@@ -11,32 +11,20 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
 
 from towers.lightning import TowersStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lightning_diloco import Net
-from lightning_fit import dataset
+from lightning_fit import checkpointed_fit
 
 EVERY = 5
 
 
 def fit(out: Path, epochs: int, resume: Path | None = None) -> tuple[pl.Trainer, Net]:
     model = Net()
-    trainer = pl.Trainer(
-        strategy=TowersStrategy(mode=f"diloco:{EVERY}"),
-        accelerator="cpu",
-        devices=2,
-        max_epochs=epochs,
-        callbacks=[ModelCheckpoint(dirpath=out, save_last=True)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, DataLoader(dataset(), batch_size=16, shuffle=True), ckpt_path=resume)
-    return trainer, model
+    strategy = TowersStrategy(mode=f"diloco:{EVERY}")
+    return checkpointed_fit(model, strategy, out, epochs, resume), model
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import sys
 import lightning.pytorch as pl
 import torch
 import torch.nn as nn
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import towers.api.ddp
@@ -68,6 +69,27 @@ class Net(pl.LightningModule):
     def configure_optimizers(self):
         optimizer, schedule = optimizer_and_schedule(self.parameters())
         return {"optimizer": optimizer, "lr_scheduler": schedule}
+
+
+def checkpointed_fit(
+    model: pl.LightningModule, strategy, out, epochs: int, resume=None, **options
+) -> pl.Trainer:
+    """``model`` fitted on 2 CPU devices for ``epochs`` epochs (batches of 16, shuffled) under
+    ``strategy``, ``ModelCheckpoint`` saving ``last.ckpt`` in ``out``, resumed from ``resume``
+    if given; ``options``: more of the Trainer's."""
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=epochs,
+        callbacks=[ModelCheckpoint(dirpath=out, save_last=True)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **options,
+    )
+    trainer.fit(model, DataLoader(dataset(), batch_size=16, shuffle=True), ckpt_path=resume)
+    return trainer
 
 
 if __name__ == "__main__":

@@ -12,15 +12,13 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
 
 import towers.lightning  # noqa: F401  (registers "towers")
 from towers.ddp import ZeroRedundancyOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lightning_fit
-from lightning_fit import CLIP, EPOCHS, dataset
+from lightning_fit import CLIP, EPOCHS, checkpointed_fit
 
 LR, DECAY = 0.01, 0.1
 
@@ -43,19 +41,7 @@ class Net(lightning_fit.Net):
 
 def fit(out: Path, epochs: int, resume: Path | None = None) -> tuple[pl.Trainer, Net]:
     model = Net()
-    trainer = pl.Trainer(
-        strategy="towers",
-        accelerator="cpu",
-        devices=2,
-        max_epochs=epochs,
-        gradient_clip_val=CLIP,
-        callbacks=[ModelCheckpoint(dirpath=out, save_last=True)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, DataLoader(dataset(), batch_size=16, shuffle=True), ckpt_path=resume)
-    return trainer, model
+    return checkpointed_fit(model, "towers", out, epochs, resume, gradient_clip_val=CLIP), model
 
 
 if __name__ == "__main__":
