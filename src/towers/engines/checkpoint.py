@@ -45,6 +45,7 @@ __all__ = [
     "estimate_bytes",
     "load_latest",
     "prepare_directory",
+    "replica_optimizer",
     "save",
     "save_or_warn",
 ]
@@ -327,6 +328,13 @@ def _nested(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def replica_optimizer(state: dict[str, Any]) -> Any:
+    """The replica's optimizer state in a checkpoint of today's layout (a sharded one: its
+    description, whose parts lie in files of their own); ``None`` where it has none (DiLoCo's
+    replicas are the plan's)."""
+    return (state.get("replica") or {}).get("optimizer")
+
+
 def _read(path: Path, step: int, parts: bool = True) -> dict[str, Any]:
     if path.stat().st_size == 0:
         raise ValueError("the file is empty (0 bytes)")
@@ -344,7 +352,7 @@ def _read(path: Path, step: int, parts: bool = True) -> dict[str, Any]:
             f"written by a newer towers (checkpoint version {state['version']}, this towers "
             f"reads up to {VERSION}); upgrade towers"
         )
-    optimizer = (state.get("replica") or {}).get("optimizer")
+    optimizer = replica_optimizer(state)
     if parts and isinstance(optimizer, dict) and "sharded" in optimizer:  # every part, whole
         for rank, sha256 in enumerate(optimizer["sharded"]["parts"]):
             check_part(path.parent, step, rank, sha256)

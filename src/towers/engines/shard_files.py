@@ -214,7 +214,7 @@ def restore_parts(
     directory: str,
 ) -> None:
     """Give this rank its part of a sharded optimizer state that ``saved`` (a checkpoint) names."""
-    described = (saved.get("replica") or {}).get("optimizer")
+    described = checkpoint.replica_optimizer(saved)
     if described is None or "sharded" not in described:
         if sharding is not None and described is not None:
             raise ValueError(
@@ -238,7 +238,7 @@ def unreadable_parts(
 ) -> list[str]:
     """What is wrong with the parts of the checkpoint ``saved`` that the ranks will read, each
     rank checking only its own (a collective): the same list on every rank, empty if none."""
-    described = (saved.get("replica") or {}).get("optimizer")
+    described = checkpoint.replica_optimizer(saved)
     found = []
     if sharding is not None and described is not None and "sharded" in described:
         digests = described["sharded"]["parts"]
