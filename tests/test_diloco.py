@@ -493,9 +493,10 @@ def own_loop_case(case: str, tmp: str):
     return out
 
 
-def _skip(ctx):
-    """A tower whose parameters went bad: the outer step is skipped, the outer model kept."""
-    model = ctx.replicate(make_net(), mode="diloco:2")
+def _skip(ctx, **options):
+    """A tower whose parameters went bad: the outer step is skipped, the outer model kept
+    (``options``: ``ctx.replicate``'s)."""
+    model = ctx.replicate(make_net(), mode="diloco:2", **options)
     opt = SGD(model.parameters())
     first = [ctx.step(mse(model, s), opt) for s in ctx.shards(LOOP_BATCHES[:2])]
     kept = [p.detach().clone() for p in model.parameters()]
@@ -506,10 +507,10 @@ def _skip(ctx):
     return first[-1], bad[-1], all(torch.equal(p, q) for p, q in zip(model.parameters(), kept))
 
 
-def _evaluate(ctx):
+def _evaluate(ctx, **options):
     """ctx.evaluate of the replicated model right after an outer step, mid-period, and of a
-    copy of this tower's own parameters mid-period."""
-    model = ctx.replicate(make_net(), mode="diloco:2")
+    copy of this tower's own parameters mid-period (``options``: ``ctx.replicate``'s)."""
+    model = ctx.replicate(make_net(), mode="diloco:2", **options)
     opt = ADAM(model.parameters())
     metrics = functools.partial(ctx.evaluate, data=DATA, fn=lambda m, b: {"loss": mse(m, b)})
     out = []

@@ -191,7 +191,11 @@ def _mistakes(ctx, directory: Path) -> dict[str, str]:
         ctx.load_checkpoint(directory / "own" / str(ctx.rank), plain, opt)
     except RuntimeError as exc:
         errors["apart"] = str(exc)
-    for kwargs in ({"shard_optimizer": "yes"}, {"shard_optimizer": True, "mode": "diloco:2"}):
+    for kwargs in (
+        {"shard_optimizer": "yes"},
+        {"shard_optimizer": True, "mode": "diloco:2:overlap"},
+        {"shard_optimizer": True, "mode": "diloco:2", "compress": "bf16"},
+    ):
         try:
             ctx.replicate(Net(), **kwargs)
         except (TypeError, ValueError) as exc:
@@ -286,7 +290,10 @@ def test_sharded_optimizer_state_trains_as_one_process_and_resumes_on_fewer_towe
         assert "different newest checkpoints" in errors["apart"]
         assert "rank 0: 1, rank 1: none, rank 2: none" in errors["apart"]
         assert errors["{'shard_optimizer': 'yes'}"].startswith("TypeError: shard_optimizer must")
-        assert "needs mode='sync'" in errors["{'shard_optimizer': True, 'mode': 'diloco:2'}"]
+        overlap = errors["{'shard_optimizer': True, 'mode': 'diloco:2:overlap'}"]
+        assert "use mode='diloco:2' (blocking exchanges)" in overlap
+        bf16 = errors["{'shard_optimizer': True, 'mode': 'diloco:2', 'compress': 'bf16'}"]
+        assert "compressing parameters would change the result" in bf16
     # 3 towers wrote a checkpoint after 3 steps; 2 towers resumed it and ended where the
     # uninterrupted 3-tower run ended
     for rank, got in enumerate(resumed):
@@ -349,8 +356,7 @@ def test_train_refuses_what_it_cannot_shard_before_any_worker_starts():
     lbfgs = functools.partial(torch.optim.LBFGS, lr=0.1)
     cases = [
         ({"optimizer": lbfgs}, ValueError, "cannot shard LBFGS"),
-        ({"mode": "async"}, ValueError, "needs mode='sync'"),
-        ({"mode": "diloco:2"}, ValueError, "needs mode='sync'"),
+        ({"mode": "async"}, ValueError, "needs mode='sync' or 'diloco:H'"),
         ({"shard_optimizer": 1}, TypeError, "shard_optimizer must be True or False"),
         ({"elastic": True}, ValueError, "not available in an elastic job yet"),
     ]

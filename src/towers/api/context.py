@@ -133,8 +133,9 @@ class Context:
             balance: :meth:`shards` splits each global batch in proportion to the ranks'
                 measured speed (the time from a shard to its backward); ``None`` (default):
                 wherever that keeps results exact, as ``towers.train``'s ``balance``.
-            shard_optimizer: each tower keeps the optimizer's state of its part of the
-                parameters only, steps that part and gathers the others' (docs/sharding.md)
+            shard_optimizer: each tower keeps the optimizer's state (DiLoCo: the outer
+                state) of its part of the parameters only, steps it, gathers the others'
+                (docs/sharding.md)
 
         Returns:
             ``model`` itself, moved to :attr:`device`.
@@ -149,7 +150,7 @@ class Context:
             outer_optimizer=outer_optimizer,
             balance=balance,
         )
-        sharding = sharding_for(model, self._group, shard_optimizer, ready.mode)
+        sharding = sharding_for(model, self._group, shard_optimizer, ready)
         if self._state.sharding is not None:  # the model replicated before: no longer sharded
             self._state.sharding.remove()
         self._state.replica = Replica(model)
@@ -164,8 +165,9 @@ class Context:
             defer=False if sharding is not None else None,
         )
         self._steps.attach(driver, model)
+        own = sharding is not None and not ready.plan.shard(sharding)  # DiLoCo: its outer state
         breaks = self._state.plan.attach(model.to(self.device))
-        self._state.sharding = sharding.start() if sharding is not None else None
+        self._state.sharding = sharding.start() if own and sharding is not None else None
         return driver.replicate(model, bucket_bytes, breaks)
 
     def shards(self, batches: Iterable[Batch]) -> Iterator[Batch]:

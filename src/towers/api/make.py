@@ -22,7 +22,6 @@ from ..core.transport import Transport
 from ..engines import checkpoint as checkpoint_files
 from ..engines.checkpoint import estimate_bytes
 from ..engines.job import Job, default_optimizer
-from ..engines.shard import refuse_sharding
 from ..engines.sync.mode import SyncMode
 from ..engines.transforms import check_transform, compression
 from ..processes.guard import check_main_guard
@@ -39,6 +38,7 @@ from .validate import (
     check_min_workers,
     check_mode_options,
     check_picklable,
+    check_sharding,
     check_straggle,
     check_workers,
     launched_workers,
@@ -114,10 +114,10 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     refused = server_refusal(mode, transport)  # the parameter server messages, it sums nothing
     if refused is not None:
         raise ValueError(refused)
-    shard_optimizer = refuse_sharding(args["shard_optimizer"], str(mode), args["elastic"])
     least = check_min_workers(args["min_workers"], workers, args["elastic"])
     placement = train_placement(args["device"], mode, workers, launch, transport, args["elastic"])
     transform = reduction(args["transform"], args["compress"], model, mode)
+    shard_optimizer = check_sharding(args["shard_optimizer"], mode, args["elastic"], transform)
     because = unbalanced_because(
         model, args["sync_batchnorm"], args["collate_fn"], placement.kind, mode, transform
     )

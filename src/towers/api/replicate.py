@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from ..engines.job import OptimizerFactory
-from ..engines.shard import ShardedState, refuse_sharding
+from ..engines.shard import ShardedState
 from ..engines.sync.group import Group
 from ..engines.sync.mode import plan_for
 from ..engines.sync.plan import StepPlan
@@ -22,7 +22,7 @@ from .balance import choose_balance, unbalanced_because
 from .make import reduction
 from .mistakes import refuse_wrapped_model, warn_unsynced_buffers
 from .outer import announce_outer
-from .validate import averages_buffers, check_mode_options, loop_mode
+from .validate import averages_buffers, check_mode_options, check_sharding, loop_mode
 
 __all__ = ["Prepared", "prepare", "sharding_for"]
 
@@ -78,10 +78,10 @@ def prepare(
 
 
 def sharding_for(
-    model: nn.Module, group: Group, shard_optimizer: Any, mode: str
+    model: nn.Module, group: Group, shard_optimizer: Any, ready: Prepared
 ) -> ShardedState | None:
     """``shard_optimizer=True``: the sharding of the optimizer's state over the ranks, checked
     (the same on every rank, before any collective)."""
-    if not refuse_sharding(shard_optimizer, mode, group.elastic):
+    if not check_sharding(shard_optimizer, loop_mode(ready.mode), group.elastic, ready.transform):
         return None
     return ShardedState(model, lambda: group.comm)

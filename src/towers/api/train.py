@@ -222,10 +222,11 @@ def train(
             ``TrainResult.shards`` holds every step's split (docs/training.md).
         shard_optimizer: each tower keeps the optimizer's state of its part of the
             parameters only (parts balanced by elements, cut inside parameters), steps that
-            part and gathers the others' (sync mode; optimizers that update element by
-            element: SGD, Adam, AdamW, ...). The result is the same; the state per tower is
-            about ``1/workers`` of it; checkpoints hold every tower's part and resume on any
-            number of towers (docs/sharding.md).
+            part and gathers the others' (optimizers that update element by element: SGD,
+            Adam, AdamW, ...). The result is the same; the state per tower is about
+            ``1/workers`` of it; checkpoints hold every tower's part and resume on any
+            number of towers. In ``mode="diloco:H"`` the outer state is sharded: the outer
+            parameters and the outer optimizer's (docs/sharding.md).
 
     Returns:
         A :class:`TrainResult`.

@@ -27,7 +27,7 @@ from ..core.transport import Transport
 from ..engines.job import Job
 from ..engines.replica import check_loss, to_device
 from ..engines.shard import refuse_unshardable
-from ..engines.sync.mode import SyncMode
+from ..engines.sync.mode import SyncMode, plan_for
 from ..processes.env import cpu_count
 from ..processes.pack import check_picklable as pickles
 from .amp import FLOAT16
@@ -40,6 +40,7 @@ __all__ = [
     "check_mode_options",
     "check_outer_optimizer",
     "check_picklable",
+    "check_sharding",
     "check_straggle",
     "check_workers",
     "launched_workers",
@@ -167,6 +168,28 @@ def check_mode_options(
         mode.check_options(model, sync_batchnorm=sync_batchnorm is True, elastic=elastic is True)
 
 
+def check_sharding(shard_optimizer: Any, mode: Mode, elastic: bool, transform: Any) -> bool:
+    """``shard_optimizer`` checked (``train``'s and ``ctx.replicate``'s): whether to shard;
+    the combinations it does not take yet are refused, each with the reason."""
+    if not isinstance(shard_optimizer, bool):
+        raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
+    if not shard_optimizer:
+        return False
+    if not isinstance(mode, SyncMode):
+        raise ValueError(
+            f"shard_optimizer=True needs mode='sync' or 'diloco:H' (got {str(mode)!r}): in "
+            "the parameter-server modes the server's optimizer is already the one copy"
+        )
+    mode.check_sharding(transform)
+    if elastic:
+        raise ValueError(
+            "shard_optimizer=True is not available in an elastic job yet: a lost tower would "
+            "take its part of the optimizer's state with it. Save checkpoints "
+            "(ctx.save_checkpoint) and restart the job instead"
+        )
+    return True
+
+
 def loop_mode(mode: Any) -> Mode:
     """The mode an own loop's ``ctx.replicate(model, mode=...)`` names: a synchronous one."""
     parsed = parse_mode(mode)
@@ -255,8 +278,9 @@ def preflight(job: Job, workers: int, device: torch.device | None) -> None:
             torch.optim.Optimizer,
             "functools.partial(torch.optim.Adam, lr=1e-3)",
         )
-        if job.shard_optimizer:
-            refuse_unshardable(opt)
+        if job.shard_optimizer:  # DiLoCo shards its outer optimizer, sync the user's
+            outer = getattr(plan_for(job.mode, job.outer_optimizer), "factory", None)
+            refuse_unshardable(outer(probe.parameters()) if outer else opt)
         if job.lr_schedule is not None:
             _check_factory(
                 "lr_schedule",

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from ..engines.shard import ShardedState, refuse_unshardable
-from ..engines.shard_files import load_parts, part_state
+from ..engines.shard_files import load_whole, part_state, whole_state
 from . import ddp
-from .replicate import sharding_for
+from .validate import check_sharding, loop_mode
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -94,7 +94,7 @@ class ZeroRedundancyOptimizer:
             part = comm.broadcast_object(mine if rank == comm.rank else None, src=rank)
             if comm.rank == to:
                 parts.append(part)
-        self._whole = _whole(self, parts) if comm.rank == to else None  # type: ignore[arg-type]
+        self._whole = whole_state(sharding, self, parts) if comm.rank == to else None  # type: ignore[arg-type]
 
     def state_dict(self) -> dict[str, Any]:
         """The whole state (``optimizer_class``'s layout) on the rank it was consolidated on."""
@@ -111,37 +111,7 @@ class ZeroRedundancyOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Give this tower its part of ``state_dict``, a whole state of ``optimizer_class`` (as
         :meth:`state_dict` returns it); on every rank."""
-        sharding = self._zero
-        params = [p for g in self.param_groups for p in g["params"]]  # type: ignore[attr-defined]
-        saved_groups = state_dict["param_groups"]
-        ids = [i for g in saved_groups for i in g["params"]]
-        if len(ids) != len(params):
-            raise ValueError(
-                f"the state dict holds {len(ids)} parameters, this optimizer {len(params)}: "
-                "load the state of an optimizer built over the same parameters"
-            )
-        place = dict(zip(ids, params, strict=True))
-        groups = []
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):  # type: ignore[attr-defined]
-            kept = {k: v for k, v in saved.items() if k != "params"}
-            groups.append({**kept, "params": [sharding.index(p) for p in group["params"]]})
-        records = []
-        for i, state in state_dict["state"].items():
-            p = place[i]
-            index = sharding.index(p)
-            if index is None:
-                continue  # a frozen parameter: no state
-            flat = {k: _flat_per_element(v, p) for k, v in state.items()}
-            records.append({"index": index, "start": 0, "stop": p.numel(), "state": flat})
-        described = {"sharded": {"groups": groups, "world": 1, "type": type(self).__name__}}
-        load_parts(sharding, self, described, lambda rank: records)  # type: ignore[arg-type]
-
-
-def _flat_per_element(value: Any, p: torch.Tensor) -> Any:
-    """A state value with one entry per element of ``p``, flattened; others as they are."""
-    if torch.is_tensor(value) and value.dim() > 0 and value.numel() == p.numel():
-        return value.reshape(-1)
-    return value
+        load_whole(self._zero, self, state_dict)  # type: ignore[arg-type]
 
 
 def _sharding(optimizer: torch.optim.Optimizer) -> ShardedState:
@@ -155,43 +125,14 @@ def _sharding(optimizer: torch.optim.Optimizer) -> ShardedState:
             "model.parameters()"
         )
     state = wrapped._steps.state
+    if not state.every_step:
+        raise ValueError(
+            f"ZeroRedundancyOptimizer shards the state of the optimizer it wraps, but in mode "
+            f"{wrapped._steps.driver.mode!r} each tower steps its own optimizer on its own "
+            "shard, so there is no one state to share: build the optimizer class itself"
+        )
     if state.sharding is None:
-        job = ddp.context()
-        sharding = sharding_for(wrapped.module, job._group, True, wrapped._steps.driver.mode)
-        assert sharding is not None
-        state.sharding = sharding.start()
+        group = ddp.context()._group
+        check_sharding(True, loop_mode(wrapped._steps.driver.mode), group.elastic, None)
+        state.sharding = ShardedState(wrapped.module, lambda: group.comm).start()
     return state.sharding
-
-
-def _whole(optimizer: torch.optim.Optimizer, parts: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Every rank's part put together: the state ``optimizer_class`` keeps in one process."""
-    sharding = optimizer._zero  # type: ignore[attr-defined]
-    whole: dict[int, dict[str, Any]] = {}
-    for records in parts:
-        for record in records:
-            p = sharding.params[record["index"]]
-            into = whole.setdefault(record["index"], {})
-            for k, v in record["state"].items():
-                if torch.is_tensor(v) and v.dim() > 0:  # one value per element
-                    if k not in into:
-                        into[k] = torch.zeros(p.numel(), dtype=v.dtype)
-                    into[k][record["start"] : record["stop"]] = v
-                else:  # the step count: the same in every slice
-                    into[k] = v
-    held = sharding.held(optimizer)
-    groups = held.groups if held is not None else [g["params"] for g in optimizer.param_groups]
-    ids: dict[int, int] = {}
-    out_groups = []
-    for group, params in zip(optimizer.param_groups, groups, strict=True):
-        numbers = []
-        for p in params:
-            numbers.append(ids.setdefault(id(p), len(ids)))
-        out_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbers})
-    state = {}
-    for index, values in whole.items():
-        p = sharding.params[index]
-        state[ids[id(p)]] = {
-            k: v.reshape(p.shape) if torch.is_tensor(v) and v.dim() > 0 else v
-            for k, v in values.items()
-        }
-    return {"state": state, "param_groups": out_groups}

@@ -185,6 +185,24 @@ class Diloco(SyncMode):
                 "or drop elastic=True"
             )
 
+    def check_sharding(self, transform: GradientTransform | None) -> None:
+        if self.overlap:
+            raise ValueError(
+                f"shard_optimizer=True cannot serve mode {str(self)!r}: an overlapped exchange "
+                "mixes each tower's own parameters with the whole outer ones, which no tower "
+                f"keeps when they are sharded; use mode='diloco:{self.arg}' (blocking "
+                "exchanges) with shard_optimizer=True, or drop shard_optimizer"
+            )
+        if transform is not None:
+            raise ValueError(
+                f"shard_optimizer=True cannot serve mode {str(self)!r} with the compression "
+                f"{transform!r}: with the outer state sharded no tower keeps the whole outer "
+                "parameters, so an exchange sums the towers' parameters instead of their "
+                "pseudo-gradients, and compressing parameters would change the result. Drop "
+                "the compression (the exchange then moves what an uncompressed one moves), or "
+                "drop shard_optimizer=True"
+            )
+
     def check_resumable(self, state: dict[str, Any], workers: int) -> None:
         saved = len(state["plan"]["ranks"])
         if saved != workers:

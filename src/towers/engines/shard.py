@@ -24,7 +24,7 @@ import bisect
 import dataclasses
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,6 @@ __all__ = [
     "Part",
     "ShardedState",
     "layout",
-    "refuse_sharding",
     "refuse_unshardable",
 ]
 
@@ -96,28 +95,6 @@ def layout(sizes: list[int], world: int) -> list[list[Part]]:
             at = stop
         offset += size
     return owned
-
-
-def refuse_sharding(shard_optimizer: Any, mode: str, elastic: bool) -> bool:
-    """``shard_optimizer`` checked (``train``'s and ``ctx.replicate``'s): whether to shard;
-    the combinations it does not take yet are refused, each with the reason."""
-    if not isinstance(shard_optimizer, bool):
-        raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
-    if not shard_optimizer:
-        return False
-    if mode != "sync":
-        raise ValueError(
-            f"shard_optimizer=True needs mode='sync' (got {mode!r}): in DiLoCo each tower "
-            "steps its own optimizer on its own shard, so its state is not one state to share, "
-            "and in the parameter-server modes the server's optimizer is already the one copy"
-        )
-    if elastic:
-        raise ValueError(
-            "shard_optimizer=True is not available in an elastic job yet: a lost tower would "
-            "take its part of the optimizer's state with it. Save checkpoints "
-            "(ctx.save_checkpoint) and restart the job instead"
-        )
-    return True
 
 
 def refuse_unshardable(optimizer: torch.optim.Optimizer) -> None:
@@ -338,8 +315,22 @@ class ShardedState:
                 {self._index[id(p)] for g in held.groups for p in g if id(p) in self._index}
             )
 
-    def gather(self, indices: set[int]) -> None:
-        """Every rank's updated parts of the parameters ``indices`` into every rank's copy."""
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step ``optimizer`` on this rank's slices and gather every rank's, without the global
+        hooks (an optimizer of towers' own: DiLoCo's outer one; a collective)."""
+        self._before(optimizer, (optimizer,), {})
+        held = self._held[optimizer]
+        try:
+            optimizer.step()
+        except BaseException:
+            self._unswap(optimizer, held)
+            raise
+        self._after(optimizer, (optimizer,), {})
+
+    def gather(self, indices: set[int], into: Sequence[torch.Tensor] | None = None) -> None:
+        """Every rank's updated parts of the parameters ``indices`` into every rank's copy
+        (``into``: into these tensors instead, one per parameter, each of its shape)."""
+        params = self.params if into is None else into
         comm = self._comm()
         by_dtype: dict[torch.dtype, list[list[Part]]] = {}
         for rank, parts in enumerate(self.parts):
@@ -348,9 +339,15 @@ class ShardedState:
                     dtype = self.params[part.index].dtype
                     by_dtype.setdefault(dtype, [[] for _ in range(self.world)])[rank].append(part)
         for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-            self._gather(comm, by_dtype[dtype], dtype)
+            self._gather(comm, by_dtype[dtype], dtype, params)
 
-    def _gather(self, comm: Comm, parts: list[list[Part]], dtype: torch.dtype) -> None:
+    def _gather(
+        self,
+        comm: Comm,
+        parts: list[list[Part]],
+        dtype: torch.dtype,
+        params: Sequence[torch.Tensor],
+    ) -> None:
         width = max(sum(part.size for part in ps) for ps in parts)
         device = self.params[0].device
         lent = self._lent(comm, dtype)
@@ -363,17 +360,17 @@ class ShardedState:
                 out = lent[: n * self.world]
                 out.zero_()
                 mine = out[self.rank * n : (self.rank + 1) * n]
-                self._copy(runs[self.rank], mine, begin, out=True)
+                self._copy(runs[self.rank], mine, begin, params, out=True)
                 comm.all_reduce_sum(out).wait()
                 others = list(range(self.world))  # the owner too: -0.0 arrives as +0.0 everywhere
             else:
                 chunk = torch.zeros(n, dtype=dtype, device=device)
-                self._copy(runs[self.rank], chunk, begin, out=True)
+                self._copy(runs[self.rank], chunk, begin, params, out=True)
                 out = torch.empty(n * self.world, dtype=dtype, device=device)
                 comm.all_gather(out, chunk).wait()
                 others = [r for r in range(self.world) if r != self.rank]
             for rank in others:
-                self._copy(runs[rank], out[rank * n : (rank + 1) * n], begin, out=False)
+                self._copy(runs[rank], out[rank * n : (rank + 1) * n], begin, params, out=False)
 
     def _lent(self, comm: Comm, dtype: torch.dtype) -> torch.Tensor | None:
         """A buffer that ``comm`` sums in place (shared memory, on one host), for gathers of
@@ -386,7 +383,15 @@ class ShardedState:
             self._buffers[dtype] = comm.buffer(n, dtype) if usable else None
         return self._buffers[dtype]
 
-    def _copy(self, run: _Run, chunk: torch.Tensor, begin: int, *, out: bool) -> None:
+    def _copy(
+        self,
+        run: _Run,
+        chunk: torch.Tensor,
+        begin: int,
+        params: Sequence[torch.Tensor],
+        *,
+        out: bool,
+    ) -> None:
         """Elements ``[begin, begin + len(chunk))`` of a rank's parts, laid end to end: into
         ``chunk`` (``out``: this rank's, to send) or from it into the parameters. Only the
         parts that overlap them are visited (a model of many parameters gathers in many
@@ -399,7 +404,7 @@ class ShardedState:
             lo, hi = max(at, begin), min(at + part.size, end)
             if lo < hi:
                 a = part.start + lo - at
-                flat = self.params[part.index].detach().view(-1)[a : a + hi - lo]
+                flat = params[part.index].detach().view(-1)[a : a + hi - lo]
                 there = chunk[lo - begin : hi - begin]
                 (there if out else flat).copy_(flat if out else there)
 

@@ -19,7 +19,14 @@ from ..comm.base import Comm
 from . import checkpoint
 from .shard import Part, ShardedState
 
-__all__ = ["describe", "restore_parts", "save_checkpoint"]
+__all__ = [
+    "describe",
+    "load_whole",
+    "part_state",
+    "restore_parts",
+    "save_checkpoint",
+    "whole_state",
+]
 
 
 def describe(sharding: ShardedState, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -248,3 +255,76 @@ def unreadable_parts(
             except ValueError as exc:
                 found.append(str(exc))
     return sorted({p for problems in comm.all_gather_object(found) for p in problems})
+
+
+def whole_state(
+    sharding: ShardedState, optimizer: torch.optim.Optimizer, parts: list[list[dict[str, Any]]]
+) -> dict[str, Any]:
+    """Every rank's part (:func:`part_state`) put together: the state dict ``optimizer``'s
+    class keeps in one process."""
+    whole: dict[int, dict[str, Any]] = {}
+    for records in parts:
+        for record in records:
+            p = sharding.params[record["index"]]
+            into = whole.setdefault(record["index"], {})
+            for k, v in record["state"].items():
+                if torch.is_tensor(v) and v.dim() > 0:  # one value per element
+                    if k not in into:
+                        into[k] = torch.zeros(p.numel(), dtype=v.dtype)
+                    into[k][record["start"] : record["stop"]] = v
+                else:  # the step count: the same in every slice
+                    into[k] = v
+    held = sharding.held(optimizer)
+    groups = held.groups if held is not None else [g["params"] for g in optimizer.param_groups]
+    ids: dict[int, int] = {}
+    out_groups = []
+    for group, params in zip(optimizer.param_groups, groups, strict=True):
+        numbers = []
+        for p in params:
+            numbers.append(ids.setdefault(id(p), len(ids)))
+        out_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbers})
+    state = {}
+    for index, values in whole.items():
+        p = sharding.params[index]
+        state[ids[id(p)]] = {
+            k: v.reshape(p.shape) if torch.is_tensor(v) and v.dim() > 0 else v
+            for k, v in values.items()
+        }
+    return {"state": state, "param_groups": out_groups}
+
+
+def load_whole(
+    sharding: ShardedState, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> None:
+    """Give this rank's slices their part of ``state_dict``, a whole state of ``optimizer``'s
+    class (as one process's ``state_dict()``, or :func:`whole_state`, returns it)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_groups = state_dict["param_groups"]
+    ids = [i for g in saved_groups for i in g["params"]]
+    if len(ids) != len(params):
+        raise ValueError(
+            f"the state dict holds {len(ids)} parameters, this optimizer {len(params)}: "
+            "load the state of an optimizer built over the same parameters"
+        )
+    place = dict(zip(ids, params, strict=True))
+    groups = []
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        kept = {k: v for k, v in saved.items() if k != "params"}
+        groups.append({**kept, "params": [sharding.index(p) for p in group["params"]]})
+    records = []
+    for i, state in state_dict["state"].items():
+        p = place[i]
+        index = sharding.index(p)
+        if index is None:
+            continue  # a frozen parameter: no state
+        flat = {k: _flat_per_element(v, p) for k, v in state.items()}
+        records.append({"index": index, "start": 0, "stop": p.numel(), "state": flat})
+    described = {"sharded": {"groups": groups, "world": 1, "type": type(optimizer).__name__}}
+    load_parts(sharding, optimizer, described, lambda rank: records)
+
+
+def _flat_per_element(value: Any, p: torch.Tensor) -> Any:
+    """A state value with one entry per element of ``p``, flattened; others as they are."""
+    if torch.is_tensor(value) and value.dim() > 0 and value.numel() == p.numel():
+        return value.reshape(-1)
+    return value

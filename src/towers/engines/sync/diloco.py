@@ -46,8 +46,10 @@ from ...comm.base import Work
 from ...core.step import StepResult, local_step
 from ..job import OptimizerFactory
 from ..replica import Replica, cpu_state
+from ..shard import ShardedState
 from .driver import SyncDriver
-from .message import InnerStep, pack, read, unflatten
+from .message import Counts, InnerStep, pack, read, unflatten
+from .outer_parts import OuterParts
 from .plan import Landed
 
 __all__ = ["ALPHA", "Periods", "default_outer_optimizer", "fragments_of"]
@@ -102,23 +104,6 @@ def _float_buffers(module: nn.Module) -> list[torch.Tensor]:
 
 
 @dataclass
-class _Counts:
-    """A fragment's inner progress on this tower since its last exchange."""
-
-    steps: int = 0  # inner steps (the same number on every tower)
-    applied: int = 0  # samples of the inner steps applied
-    computed: int = 0  # samples computed, applied or skipped
-    loss: float = 0.0  # loss summed over the applied steps' samples
-
-    def add(self, e: InnerStep) -> None:
-        self.steps += 1
-        self.computed += e.samples
-        if not e.bad:
-            self.applied += e.samples
-            self.loss += e.loss_sum
-
-
-@dataclass
 class _Flight:
     """One exchange: launched, then landed (``result`` set), then applied."""
 
@@ -156,22 +141,34 @@ class Periods:
         self.outer_opt: torch.optim.Optimizer | None = None
         self.groups: list[range] = []  # trainable-parameter indices of each fragment
         self.window: list[InnerStep] = []  # inner steps not yet carried by an exchange
-        self.counts = [_Counts() for _ in range(fragments)]
+        self.counts = [Counts() for _ in range(fragments)]
         self.boundary = 0  # global batches trained at the last exchange
         self.flight: _Flight | None = None  # overlap: the exchange travelling
         self.fresh = True  # the local parameters have not been set from the outer ones yet
         self._landed: list[Landed] = []
+        self.sharding: ShardedState | None = None  # shard_optimizer=True: the outer state's
+        self.sharded: OuterParts | None = None  # this tower's part of the outer state
 
     # -- the model -------------------------------------------------------------------------
 
+    def shard(self, sharding: ShardedState) -> bool:
+        self.sharding = sharding
+        return True
+
     def attach(self, model: nn.Module) -> Sequence[int]:
         self.model = model
-        self.outer = copy.deepcopy(model)
-        self.outer_opt = self.factory(_trainable(self.outer))
+        if self.sharding is not None:  # no whole outer copy: this tower's part of it
+            self.sharded = OuterParts(self.sharding, model, self.factory)
+            self.outer_opt = self.sharded.optimizer
+        else:
+            self.outer = copy.deepcopy(model)
+            self.outer_opt = self.factory(_trainable(self.outer))
         self.groups = fragments_of([p.numel() for p in _trainable(model)], self.parts)
         return [g.start for g in self.groups[1:]]
 
     def shared(self, model: nn.Module) -> nn.Module:
+        if self.sharded is not None:  # broadcast before the towers start from it
+            return model if self.fresh else self.sharded.whole()
         return self._outer()
 
     def regrouped(self, model: nn.Module) -> None:
@@ -179,7 +176,12 @@ class Periods:
             self._start_from_outer(model)
 
     def trained(self, model: nn.Module) -> nn.Module:
+        if self.sharded is not None:  # the model is the outer one right after an exchange
+            return model if self._at_outer() else self.sharded.whole()
         return self._outer()
+
+    def _at_outer(self) -> bool:
+        return self.flight is None and not any(c.steps for c in self.counts)
 
     def _outer(self) -> nn.Module:
         assert self.outer is not None, "attach() the model first"
@@ -191,12 +193,17 @@ class Periods:
 
     def _start_from_outer(self, model: nn.Module) -> None:
         """The local parameters and buffers become the outer ones; nothing is pending."""
-        with torch.no_grad():
-            for mine, outer in zip(
-                model.state_dict().values(), self._outer().state_dict().values()
-            ):
-                mine.copy_(outer)
-        self.window, self.counts = [], [_Counts() for _ in range(self.parts)]
+        if self.sharded is None:
+            with torch.no_grad():
+                for mine, outer in zip(
+                    model.state_dict().values(), self._outer().state_dict().values()
+                ):
+                    mine.copy_(outer)
+        elif self.fresh:  # sharded: the model holds what every tower starts from
+            self.sharded.take()
+        else:  # sharded, after an exchange: the parameters are the outer ones already
+            self.sharded.restart()
+        self.window, self.counts = [], [Counts() for _ in range(self.parts)]
         self.flight, self.fresh = None, False
 
     # -- inner steps -----------------------------------------------------------------------
@@ -278,8 +285,13 @@ class Periods:
         buffers = _float_buffers(self._model())
         message = pack(self.window, driver.rank, driver.world_size, weight, buffers)
         extra, work = driver.start_sum(message)
-        local, outer = _trainable(self._model()), _trainable(self._outer())
-        deltas = {i: (outer[i].detach() - local[i].detach()).mul_(weight) for i in self.groups[f]}
+        if self.sharded is not None:  # sharded: the parameters themselves (see OuterParts)
+            deltas = self.sharded.values(self.groups[f], weight)
+        else:
+            local, outer = _trainable(self._model()), _trainable(self._outer())
+            deltas = {
+                i: (outer[i].detach() - local[i].detach()).mul_(weight) for i in self.groups[f]
+            }
         driver.add(math.nan if bad else c.loss, weight)
         driver.launch(stamp, values=deltas)
         return _Flight(f, len(self.window), extra, work)
@@ -297,6 +309,9 @@ class Periods:
     def _apply(self, driver: SyncDriver, flight: _Flight, mix: bool) -> _Flight:
         """The outer step of a landed ``flight``, then the towers' parameters follow it."""
         assert flight.result is not None and self.outer_opt is not None
+        if self.sharded is not None:  # sharded: never mixed (no overlap)
+            self.sharded.apply(flight.deltas, flight.result.skipped, flight.buffers)
+            return self._applied(flight)
         model, outer = self._model(), self._outer()
         local, outer_params = _trainable(model), _trainable(outer)
         group = self.groups[flight.fragment]
@@ -320,9 +335,13 @@ class Periods:
                     mine.mul_(keep).add_(theirs, alpha=1.0 - keep)
                 else:  # a copy, also over a tower's values that are not finite
                     mine.copy_(theirs)
+        return self._applied(flight)
+
+    def _applied(self, flight: _Flight) -> _Flight:
+        """The window and counts after ``flight``'s outer step."""
         carried, self.window = self.window[: flight.entries], self.window[flight.entries :]
         # what the fragment trained on since this exchange left: the steps still in the window
-        self.counts[flight.fragment] = _Counts()
+        self.counts[flight.fragment] = Counts()
         for entry in self.window:
             self.counts[flight.fragment].add(entry)
         self._landed += [(e.index, r, e.at) for e, r in zip(carried, flight.steps, strict=True)]
@@ -347,7 +366,7 @@ class Periods:
         return self.boundary
 
     def snapshot(self, replica: Replica) -> dict[str, Any]:
-        assert self.outer_opt is not None
+        assert self.outer_opt is not None and self.sharded is None  # not sharded when elastic
         return {
             "boundary": self.boundary,
             "outer": cpu_state(self._outer()),
@@ -388,9 +407,11 @@ class Periods:
                 "steps": [asdict(s) for s in flight.steps],
                 "buffers": None if flight.buffers is None else flight.buffers.cpu(),
             }
+        if self.sharded is not None:  # the whole state, as unsharded, in rank 0's checkpoint
+            whole = self.sharded.state_dict(driver.all_gather_object, driver.rank == 0)
         return {
             "boundary": self.boundary,
-            "outer_optimizer": self.outer_opt.state_dict(),
+            "outer_optimizer": whole if self.sharded is not None else self.outer_opt.state_dict(),
             "flight": landed,
             "ranks": ranks,
         }
@@ -401,13 +422,17 @@ class Periods:
         # an optimizer loads its state tensors as they are
         state = copy.deepcopy(state)
         saved = state["plan"]
-        self._outer().load_state_dict(state["model"])
-        self.outer_opt.load_state_dict(saved["outer_optimizer"])
+        if self.sharded is not None:
+            self.sharded.load(state["model"])
+            self.sharded.load_state_dict(saved["outer_optimizer"])
+        else:
+            self._outer().load_state_dict(state["model"])
+            self.outer_opt.load_state_dict(saved["outer_optimizer"])
         self.boundary = saved["boundary"]
         mine = saved["ranks"][driver.rank]
         replica.load_state_dict(mine["local"])
         self.window = [InnerStep(**e) for e in mine["window"]]
-        self.counts = [_Counts(**c) for c in mine["counts"]]
+        self.counts = [Counts(**c) for c in mine["counts"]]
         self.fresh, self.flight = False, None
         landed = saved["flight"]
         if landed is not None:

@@ -109,11 +109,12 @@ class _Run:
             balance=job.balance,
         )
         self.state.replica = self.replica
-        if job.shard_optimizer:
-            self.state.sharding = ShardedState(self.replica.model, lambda: group.comm)
+        if job.shard_optimizer:  # the user's optimizer, or the plan's own (DiLoCo's outer)
+            sharding = ShardedState(self.replica.model, lambda: group.comm)
+            self.state.sharding = None if self.plan.shard(sharding) else sharding
         self.driver = SyncDriver(
             group, job.transform, owner=self.state, mode=str(job.mode),
-            defer=False if self.state.sharding is not None else None,
+            defer=False if job.shard_optimizer else None,
         )  # fmt: skip
         self.runner = StepRunner(group, self.state, self.driver)
         self.breaks = self.plan.attach(self.replica.model)

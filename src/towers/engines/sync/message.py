@@ -23,7 +23,7 @@ import torch
 
 from ...core.step import StepResult
 
-__all__ = ["InnerStep", "pack", "read"]
+__all__ = ["Counts", "InnerStep", "pack", "read"]
 
 _BLOCKS = 4  # world-sized blocks per inner step: loss sums, samples, flags, seconds
 
@@ -105,3 +105,20 @@ def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     for t in tensors:
         t.copy_(flat[at : at + t.numel()].view_as(t).to(t.device))
         at += t.numel()
+
+
+@dataclass
+class Counts:
+    """A fragment's inner progress on this tower since its last exchange."""
+
+    steps: int = 0  # inner steps (the same number on every tower)
+    applied: int = 0  # samples of the inner steps applied
+    computed: int = 0  # samples computed, applied or skipped
+    loss: float = 0.0  # loss summed over the applied steps' samples
+
+    def add(self, e: InnerStep) -> None:
+        self.steps += 1
+        self.computed += e.samples
+        if not e.bad:
+            self.applied += e.samples
+            self.loss += e.loss_sum

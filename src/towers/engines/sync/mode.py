@@ -43,6 +43,10 @@ class SyncMode(Mode):
         """``ValueError`` for a model or options this mode cannot serve (checked before any
         worker starts)."""
 
+    def check_sharding(self, transform: GradientTransform | None) -> None:
+        """``ValueError`` if ``shard_optimizer=True`` cannot serve this mode with ``transform``
+        (its sums; ``None``: the plain sum)."""
+
     def check_resumable(self, state: dict[str, Any], workers: int) -> None:
         """``ValueError`` if a checkpoint of this mode cannot go on with ``workers`` towers."""
 

@@ -37,6 +37,7 @@ from torch import nn
 from ...core.step import StepResult
 from ...core.verdict import PendingResult
 from ..replica import Replica
+from ..shard import ShardedState
 from .driver import SyncDriver
 
 __all__ = ["EveryStep", "Landed", "StepPlan"]
@@ -54,6 +55,12 @@ class StepPlan(Protocol):
     def attach(self, model: nn.Module) -> Sequence[int]:
         """Take ``model`` (on its device, before the driver replicates it); returns where the
         driver's buckets must break (trainable-parameter indices)."""
+        ...
+
+    def shard(self, sharding: ShardedState) -> bool:
+        """``shard_optimizer=True``, before :meth:`attach`: whether the plan shards its own
+        optimizer's state with ``sharding`` (DiLoCo's outer one); ``False``: the user's
+        optimizer is to be sharded."""
         ...
 
     def shared(self, model: nn.Module) -> nn.Module:
@@ -133,6 +140,9 @@ class EveryStep:
 
     def attach(self, model: nn.Module) -> Sequence[int]:
         return ()
+
+    def shard(self, sharding: ShardedState) -> bool:
+        return False
 
     def shared(self, model: nn.Module) -> nn.Module:
         return model
