@@ -88,6 +88,8 @@ ARMS: list[dict[str, Any]] = [
     {"name": "towers diloco:8", "per_host": 1, "train": {"mode": "diloco:8"}, "longer": 3},
     {"name": "towers diloco:8 int8", "per_host": 1,
      "train": {"mode": "diloco:8", "compress": "int8"}, "longer": 3},
+    {"name": "towers diloco:8 shard_optimizer", "per_host": 1,
+     "train": {"mode": "diloco:8", "shard_optimizer": True}, "longer": 3},
     {"name": "towers diloco:8:overlap", "per_host": 1, "train": {"mode": "diloco:8:overlap"},
      "longer": 3},
     {"name": "towers diloco:8:overlap int8", "per_host": 1,
