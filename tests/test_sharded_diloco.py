@@ -61,6 +61,11 @@ def test_batchnorm_statistics_are_averaged_into_the_sharded_outer_state_over_glo
                          inner=SGD, seed=4)  # fmt: skip
     want.check(got.model)  # the running statistics too
     want.check_losses(got.losses)
+    # the outer model's count of batches is the unsharded run's (the towers' own counts are not
+    # averaged into it)
+    plain = run(13, 2, bn_net, optimizer=SGD, transport="gloo", shard_optimizer=False)
+    count = "1.num_batches_tracked"
+    assert got.model.state_dict()[count] == plain.model.state_dict()[count]
 
 
 @pytest.mark.timeout(180)
@@ -91,15 +96,16 @@ def test_a_sharded_run_resumes_exactly_and_its_checkpoint_is_an_unsharded_one(tm
 
 
 def own_loop(tmp: str):
-    """An own loop whose outer state is sharded: 8 steps (diloco:3) with a save at step 5, the
-    size of each tower's part, a skipped outer step and evaluations mid-period."""
+    """An own loop whose outer state is sharded: 8 steps (diloco:3) with saves at steps 2
+    (before any outer step) and 5, the size of each tower's part, a skipped outer step and
+    evaluations mid-period."""
     ctx = towers.init()
     model = ctx.replicate(make_net(), mode="diloco:3", shard_optimizer=True)
     opt = ADAM(model.parameters())
     for shard in ctx.shards(LOOP_BATCHES[:8]):
         ctx.step(mse(model, shard), opt)
-        if ctx.steps == 5:
-            ctx.save_checkpoint(tmp, ctx.steps, model, opt)
+        if ctx.steps in (2, 5):
+            ctx.save_checkpoint(f"{tmp}/{ctx.steps}", ctx.steps, model, opt)
     ctx.end_period()
     trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
     outer = ctx._state.plan.sharded  # this tower's part of the outer state
@@ -107,13 +113,20 @@ def own_loop(tmp: str):
     momentum = sum(
         s["momentum_buffer"].numel() for s in outer.optimizer.state.values() if s
     )  # fmt: skip
+    # rolled back in place to step 2: the outer momentum it holds since is dropped, as
+    # torch's load_state_dict drops state the file does not hold
+    done, _ = ctx.load_checkpoint(f"{tmp}/2", model, opt)
+    for shard in ctx.shards(LOOP_BATCHES[done:8]):
+        ctx.step(mse(model, shard), opt)
+    ctx.end_period()
+    back = {k: v.detach().clone() for k, v in model.state_dict().items()}
     resumed = ctx.replicate(make_net(), mode="diloco:3", shard_optimizer=True)
     opt = ADAM(resumed.parameters())
-    done, _ = ctx.load_checkpoint(tmp, resumed, opt)
+    done, _ = ctx.load_checkpoint(f"{tmp}/5", resumed, opt)
     for shard in ctx.shards(LOOP_BATCHES[done:8]):
         ctx.step(mse(resumed, shard), opt)
     ctx.end_period()
-    again = {k: v.detach().clone() for k, v in resumed.state_dict().items()}
+    again = {k: v.detach().clone() for k, v in resumed.state_dict().items()}, back
     sharded = {"shard_optimizer": True}
     out = trained, (kept, momentum), again, _skip(ctx, **sharded), _evaluate(ctx, **sharded)
     ctx.close()
@@ -126,10 +139,11 @@ def test_the_own_loop_keeps_one_outer_copy_between_its_towers(tmp_path):
     want, _, _ = derived(make_net(), DATA, batch_size=11, steps=8, workers=3, every=3,
                          batches=LOOP_BATCHES[:8])  # fmt: skip
     total = sum(p.numel() for p in make_net().parameters())
-    for rank, (trained, (kept, momentum), again, skip, evaluated) in enumerate(outs):
+    for rank, (trained, (kept, momentum), (again, back), skip, evaluated) in enumerate(outs):
         want.check(trained, f"rank {rank}")
-        # resumed from step 5 (mid-period), it ends on the same bits
+        # resumed from step 5 (mid-period), and rolled back to step 2 in place: the same bits
         assert all(torch.equal(again[k], v) for k, v in trained.items()), rank
+        assert all(torch.equal(back[k], v) for k, v in trained.items()), rank
         # this tower's part of the outer parameters and of the momentum: a third, give or take
         # the alignment of a cut inside a parameter
         assert kept == momentum and abs(kept - total / 3) <= ALIGN, (kept, total)
@@ -151,13 +165,15 @@ def test_the_own_loop_keeps_one_outer_copy_between_its_towers(tmp_path):
         ({"mode": "sparseloco:4"}, "compressing parameters would change"),
         ({"mode": "diloco:4", "elastic": True}, "not available in an elastic job yet"),
         ({"mode": "diloco:4", "outer_optimizer": torch.optim.Adagrad}, "cannot shard Adagrad"),
+        ({"mode": "diloco:4", "dtype": torch.bfloat16}, "needs float32 .* torch.bfloat16 ones"),
     ],
 )
 def test_what_a_sharded_outer_state_cannot_serve_is_refused_before_any_worker_starts(
     kwargs, message
 ):
+    model = make_net().to(kwargs.pop("dtype", torch.float32))
     with pytest.raises(ValueError, match=message):
-        towers.train(make_net(), mse, DATA, batch_size=10, steps=4, workers=2, progress=False,
+        towers.train(model, mse, DATA, batch_size=10, steps=4, workers=2, progress=False,
                      shard_optimizer=True, **kwargs)  # fmt: skip
 
 

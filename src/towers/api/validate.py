@@ -28,6 +28,7 @@ from ..engines.job import Job
 from ..engines.replica import check_loss, to_device
 from ..engines.shard import refuse_unshardable
 from ..engines.sync.mode import SyncMode, plan_for
+from ..engines.sync.outer_parts import refuse_low_precision
 from ..processes.env import cpu_count
 from ..processes.pack import check_picklable as pickles
 from .amp import FLOAT16
@@ -281,6 +282,8 @@ def preflight(job: Job, workers: int, device: torch.device | None) -> None:
         if job.shard_optimizer:  # DiLoCo shards its outer optimizer, sync the user's
             outer = getattr(plan_for(job.mode, job.outer_optimizer), "factory", None)
             refuse_unshardable(outer(probe.parameters()) if outer else opt)
+            if outer is not None:
+                refuse_low_precision(probe)
         if job.lr_schedule is not None:
             _check_factory(
                 "lr_schedule",

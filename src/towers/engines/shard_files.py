@@ -111,6 +111,8 @@ def load_parts(
     for group, kept in zip(optimizer.param_groups, saved["groups"], strict=True):
         group.update({k: v for k, v in kept.items() if k != "params"})
     held = sharding.hold(optimizer)
+    for part in sharding.mine():  # as torch's load_state_dict: no state kept from before
+        optimizer.state.pop(sharding.view(held, part), None)
     pieces: dict[Part, dict[str, Any]] = {}
     for rank in needed_parts(sharding, described):
         for record in parts(rank):

@@ -176,8 +176,8 @@ class Periods:
             self._start_from_outer(model)
 
     def trained(self, model: nn.Module) -> nn.Module:
-        if self.sharded is not None:  # the model is the outer one right after an exchange
-            return model if self._at_outer() else self.sharded.whole()
+        if self.sharded is not None:  # right after an exchange: the model's parameters
+            return self.sharded.whole(gather=not self._at_outer())
         return self._outer()
 
     def _at_outer(self) -> bool:

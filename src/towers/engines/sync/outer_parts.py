@@ -30,7 +30,7 @@ from ..shard import Part, ShardedState
 from ..shard_files import load_whole, part_state, whole_state
 from .message import unflatten
 
-__all__ = ["OuterParts"]
+__all__ = ["OuterParts", "refuse_low_precision"]
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -42,10 +42,28 @@ def _part(t: torch.Tensor, part: Part) -> torch.Tensor:
     return _flat(t)[part.start : part.stop]
 
 
+def refuse_low_precision(model: nn.Module) -> None:
+    """``ValueError`` for parameters below float32: an exchange sums the parameters
+    themselves, and in 16 bits that rounds away updates smaller than a few thousandths of a
+    parameter, which a pseudo-gradient sum keeps."""
+    low = sorted(
+        {str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype.itemsize < 4}
+    )
+    if low:
+        raise ValueError(
+            f"shard_optimizer=True in DiLoCo needs float32 (or float64) parameters, the model "
+            f"has {', '.join(low)} ones: with the outer state sharded an exchange sums the "
+            "parameters themselves, and in 16 bits that rounds away updates smaller than a "
+            "few thousandths of a parameter. Keep the parameters in float32 (autocast for the "
+            "compute), or drop shard_optimizer=True"
+        )
+
+
 class OuterParts:
     """This tower's part of DiLoCo's outer parameters and outer optimizer state."""
 
     def __init__(self, sharding: ShardedState, model: nn.Module, factory: OptimizerFactory):
+        refuse_low_precision(model)
         self.sharding, self.model = sharding, model
         self.params = sharding.params  # the model's trainable parameters, in order
         self.optimizer = factory(self.params)
@@ -112,15 +130,18 @@ class OuterParts:
                 if n in self._saved:
                     b.copy_(self.buffers[n])
 
-    def whole(self) -> nn.Module:
-        """The whole outer model, put together from every tower's part (a collective; a
-        copy, for evaluation and checkpoints between exchanges)."""
+    def whole(self, gather: bool = True) -> nn.Module:
+        """The whole outer model, a copy: the model's parameters with every tower's part
+        gathered into them (a collective; ``gather=False`` right after an exchange, where they
+        are the outer ones), and the outer buffers (the integer ones, which the model counts on,
+        too)."""
         outer = copy.deepcopy(self.model)
         params = [p for p in outer.parameters() if p.requires_grad]
         with torch.no_grad():
-            for part, kept in self.kept.items():
-                self._slice(params, part).copy_(kept)
-            self.sharding.gather(set(range(len(params))), into=params)
+            if gather:
+                for part, kept in self.kept.items():
+                    self._slice(params, part).copy_(kept)
+                self.sharding.gather(set(range(len(params))), into=params)
             for n, b in outer.named_buffers():
                 b.copy_(self.buffers[n])
         return outer
