@@ -163,7 +163,7 @@ def test_the_own_loop_keeps_one_outer_copy_between_its_towers(tmp_path):
         ({"mode": "diloco:4:overlap"}, r"use mode='diloco:4' \(blocking exchanges\)"),
         ({"mode": "diloco:4", "compress": "int8"}, "compressing parameters would change"),
         ({"mode": "sparseloco:4"}, "compressing parameters would change"),
-        ({"mode": "diloco:4", "elastic": True}, "not available in an elastic job yet"),
+        ({"mode": "diloco:4", "elastic": True}, "not available in an elastic job of mode"),
         ({"mode": "diloco:4", "outer_optimizer": torch.optim.Adagrad}, "cannot shard Adagrad"),
         ({"mode": "diloco:4", "dtype": torch.bfloat16}, "needs float32 .* torch.bfloat16 ones"),
     ],

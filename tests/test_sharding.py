@@ -358,7 +358,7 @@ def test_train_refuses_what_it_cannot_shard_before_any_worker_starts():
         ({"optimizer": lbfgs}, ValueError, "cannot shard LBFGS"),
         ({"mode": "async"}, ValueError, "needs mode='sync' or 'diloco:H'"),
         ({"shard_optimizer": 1}, TypeError, "shard_optimizer must be True or False"),
-        ({"elastic": True}, ValueError, "not available in an elastic job yet"),
+        ({"elastic": True}, ValueError, "in an elastic job needs its checkpoints"),
     ]
     for kwargs, kind, message in cases:
         args = {"shard_optimizer": True, **kwargs}

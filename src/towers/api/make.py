@@ -94,10 +94,9 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     check_options(data, **{k: args[k] for k in _OPTIONS})
     launch = read_launch()
     transport = Transport.parse(args["transport"], launch.transport)
-    launched = launch.launched
     mode = _mode(args["mode"], launch)
     workers = launched_workers(mode, args["workers"], launch)
-    check_workers(mode, workers, launched)
+    check_workers(mode, workers, launched := launch.launched)
     batch_size, accumulate = args["batch_size"], args["accumulate"]
     announce_epochs(mode, args["epochs"], n, batch_size, workers, launch.rank)
     announce_outer(mode, args["outer_optimizer"], workers, "towers.train", launch.rank)
@@ -111,13 +110,14 @@ def make_job(args: dict[str, Any]) -> tuple[Job, RunPlan]:
     if not launched and (workers > 1 or mode.servers or args["max_restarts"]):
         check_main_guard("towers.train()")  # before any worker starts, and never restarted
     check_elastic(args["elastic"], mode, transport, launch)
-    refused = server_refusal(mode, transport)  # the parameter server messages, it sums nothing
-    if refused is not None:
+    if (refused := server_refusal(mode, transport)) is not None:  # the server sums nothing
         raise ValueError(refused)
     least = check_min_workers(args["min_workers"], workers, args["elastic"])
     placement = train_placement(args["device"], mode, workers, launch, transport, args["elastic"])
     transform = reduction(args["transform"], args["compress"], model, mode)
-    shard_optimizer = check_sharding(args["shard_optimizer"], mode, args["elastic"], transform)
+    shard_optimizer = check_sharding(
+        args["shard_optimizer"], mode, args["elastic"], transform, args["checkpoint"]
+    )
     because = unbalanced_because(
         model, args["sync_batchnorm"], args["collate_fn"], placement.kind, mode, transform
     )

@@ -226,7 +226,9 @@ def train(
             Adam, AdamW, ...). The result is the same; the state per tower is about
             ``1/workers`` of it; checkpoints hold every tower's part and resume on any
             number of towers. In ``mode="diloco:H"`` the outer state is sharded: the outer
-            parameters and the outer optimizer's (docs/sharding.md).
+            parameters and the outer optimizer's. With ``elastic=True`` it needs
+            ``checkpoint=``: the members rebuild the state from the newest checkpoint when
+            they change (docs/sharding.md).
 
     Returns:
         A :class:`TrainResult`.

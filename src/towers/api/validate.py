@@ -169,9 +169,12 @@ def check_mode_options(
         mode.check_options(model, sync_batchnorm=sync_batchnorm is True, elastic=elastic is True)
 
 
-def check_sharding(shard_optimizer: Any, mode: Mode, elastic: bool, transform: Any) -> bool:
+def check_sharding(
+    shard_optimizer: Any, mode: Mode, elastic: bool, transform: Any, checkpoint: Any = None
+) -> bool:
     """``shard_optimizer`` checked (``train``'s and ``ctx.replicate``'s): whether to shard;
-    the combinations it does not take yet are refused, each with the reason."""
+    the combinations it does not take yet are refused, each with the reason. ``checkpoint``:
+    ``train``'s, from which an elastic job rebuilds a lost tower's part of the state."""
     if not isinstance(shard_optimizer, bool):
         raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
     if not shard_optimizer:
@@ -182,11 +185,20 @@ def check_sharding(shard_optimizer: Any, mode: Mode, elastic: bool, transform: A
             "the parameter-server modes the server's optimizer is already the one copy"
         )
     mode.check_sharding(transform)
-    if elastic:
+    if elastic and mode.outer_steps:
         raise ValueError(
-            "shard_optimizer=True is not available in an elastic job yet: a lost tower would "
-            "take its part of the optimizer's state with it. Save checkpoints "
-            "(ctx.save_checkpoint) and restart the job instead"
+            f"shard_optimizer=True is not available in an elastic job of mode {str(mode)!r} "
+            "yet: a lost tower would take its part of the outer state with it. Train it "
+            "without elastic=True (checkpoints and max_restarts restart it exactly)"
+        )
+    if elastic and checkpoint is None:
+        raise ValueError(
+            "shard_optimizer=True in an elastic job needs its checkpoints: a lost tower takes "
+            "its part of the optimizer's state with it, and the others rebuild the whole state "
+            "exactly from the newest checkpoint and train again the global batches since. "
+            "Pass checkpoint=DIR to towers.train (a directory every host shares). An own loop "
+            "cannot train its batches again: save checkpoints (ctx.save_checkpoint) and "
+            "restart it instead"
         )
     return True
 

@@ -23,6 +23,7 @@ from ...core.data import BatchOrder, is_dataset, num_samples
 from ...core.launch import read_launch
 from ...core.split import cut
 from ...core.step import StepResult
+from ..checkpoint import load_latest
 from ..evaluate import combine, due, evaluate
 from ..fetch import Fetcher, Planned
 from ..job import EngineResult, Job
@@ -105,9 +106,11 @@ class _Run:
             self.plan,
             self.record,
             joining=group.joining,
-            regrouped=self._plan_loading,
+            regrouped=self._regrouped,
             balance=job.balance,
         )
+        self.state.rebuilds = job.shard_optimizer and group.elastic
+        self.started = False  # the first members formed and began (see _regrouped)
         self.state.replica = self.replica
         if job.shard_optimizer:  # the user's optimizer, or the plan's own (DiLoCo's outer)
             sharding = ShardedState(self.replica.model, lambda: group.comm)
@@ -139,6 +142,39 @@ class _Run:
     @done.setter
     def done(self, value: int) -> None:
         self.state.steps = value
+
+    def _regrouped(self) -> None:
+        """The members changed (or formed): a sharded state is rebuilt, loading is planned."""
+        if self.state.rebuilds and (self.started or self.group.joining):
+            self._rebuild()
+        self._plan_loading()
+
+    def _rebuild(self) -> None:
+        """An elastic job's sharded optimizer state after the members changed: a lost tower's
+        part is nowhere else, so every member takes the newest checkpoint (parameters, the
+        parts of the state cut for the new members, the record) and trains on from its step,
+        training again the global batches since (a collective; docs/sharding.md)."""
+        job, comm = self.job, self.group.comm
+        assert job.checkpoint is not None and self.state.sharding is not None
+        saved = load_latest(job.checkpoint, "sync", parts=False)
+        steps = comm.all_gather_object(None if saved is None else saved["step"])
+        if len(set(steps)) != 1 or steps[0] is None:
+            raise RuntimeError(
+                f"an elastic job with shard_optimizer=True rebuilds its state from its newest "
+                f"checkpoint in {job.checkpoint}, but its members found "
+                + ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+                + ": checkpoint into a directory every host shares"
+            )
+        assert saved is not None and self.replica.optimizer is not None
+        self.state.sharding.remove()  # cut anew for these members
+        self.replica.optimizer.state.clear()
+        self.state.sharding = ShardedState(self.replica.model, lambda: self.group.comm).start()
+        self._restore(saved)
+        reseed = job.seed + comm.rank + 1000 * saved["step"]  # as a resume on other towers
+        self.state.restore(saved, self.driver, reseed=reseed)
+        restore_parts(self.state.sharding, self.replica.optimizer, saved, job.checkpoint)
+        self.state.newcomer = False
+        self.start, self.first_samples = time.perf_counter(), self.record.samples
 
     def _plan_loading(self) -> None:
         """Plan this tower's part of the remaining batches for the current members and split
@@ -280,6 +316,9 @@ class _Run:
                 self.state.sharding.start()
             self.driver.replicate(self.replica.model, breaks=self.breaks)
             self._restore_state()
+            if self.state.rebuilds and not group.joining and self.resume is None:
+                self._save(self.done)  # what a loss before the first checkpoint goes back to
+            self.started = True
             if not group.elastic:  # start the clock together (a replacement joins mid-run)
                 group.comm.barrier()
             self.start, self.first_samples = time.perf_counter(), self.record.samples

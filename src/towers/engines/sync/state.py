@@ -91,6 +91,9 @@ class RunState:
         self.catch_up = 0  # batches a replacement of an own loop skips to reach its peers
         self._pending: dict[str, Any] | None = None  # a peer's optimizer state, not loaded yet
         self.sharding: ShardedState | None = None  # the optimizer's state, sharded over ranks
+        # every member rebuilds the state from the newest checkpoint when the members change
+        # (an elastic job's sharded state: a lost tower's part is nowhere else): none is sent
+        self.rebuilds = False
 
     def _replica(self) -> Replica:
         assert self.replica is not None, "the run has no model yet"
@@ -108,6 +111,8 @@ class RunState:
     # -- what the group keeps consistent (the driver's owner) ------------------------------
 
     def progress(self) -> int:
+        if self.rebuilds:
+            return 0  # the same on every member: nothing to send
         return -1 if self.newcomer else self.plan.progress(self.steps)
 
     def snapshot(self) -> dict[str, Any]:
