@@ -9,6 +9,8 @@ held to a plain single-process loop over the same global batches, in float32 and
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from helpers import make_net
 from test_diloco import DATA, SignedDyingOnce, mse_dying_once, slow_mse
 
 import towers
+from towers.engines.shard import ALIGN
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=0.03, weight_decay=0.1)
 
@@ -52,6 +55,35 @@ def test_a_lost_towers_part_is_rebuilt_from_the_newest_checkpoint_exactly(tmp_pa
                      (".part-00000", ".part-00001", "")]  # fmt: skip
 
 
+def dying_over_a_damaged_part(model, shard, marker: str, part: str):
+    """Rank 1, at its 11th loss (global batch 10), damages a part of the checkpoint of step
+    8 and kills itself (once)."""
+    if os.environ.get("RANK") == "1" and not Path(marker).exists():
+        calls = dying_over_a_damaged_part.calls = getattr(dying_over_a_damaged_part, "calls", 0) + 1
+        if calls == 11:
+            Path(part).write_bytes(Path(part).read_bytes()[:-100])
+    return mse_dying_once(model, shard, marker, at_call=11)
+
+
+@pytest.mark.timeout(120)
+def test_each_tower_holds_its_part_and_a_damaged_part_sends_every_member_further_back(tmp_path):
+    """The newest checkpoint's part of tower 0 is damaged as tower 1 dies: the survivors find
+    it, together, and rebuild from the checkpoint before (step 4) instead."""
+    part = tmp_path / "ckpt" / "step-00000008.part-00000.pt"
+    loss = functools.partial(dying_over_a_damaged_part, marker=str(tmp_path / "marker"),
+                             part=str(part))  # fmt: skip
+    got = run(loss, 16, tmp_path, workers=3, transport="gloo")
+    assert got.dead_workers == [1] and got.world == [3] * 4 + [2] * 12
+    want = plain_loop(16)
+    want.check(got.model)
+    want.check_losses(got.losses)
+    # each tower wrote its part only: one copy of the state between the two of them
+    parts = [torch.load(tmp_path / "ckpt" / f"step-00000016.part-{r:05d}.pt") for r in (0, 1)]
+    held = [sum(record["stop"] - record["start"] for record in p) for p in parts]
+    total = sum(p.numel() for p in make_net().parameters())
+    assert sum(held) == total and all(abs(h - total / 2) <= ALIGN for h in held), held
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_replacement_and_newcomers_receive_their_parts_from_the_checkpoint(tmp_path):
@@ -61,9 +93,12 @@ def test_a_replacement_and_newcomers_receive_their_parts_from_the_checkpoint(tmp
     replaced = run(SignedDyingOnce(str(tmp_path), at_call=6), 36, tmp_path / "a", workers=3,
                    max_restarts=1, transport="gloo")  # fmt: skip
     assert replaced.dead_workers == [1] and replaced.restarts == 1
+    assert len(replaced.recoveries) == 1  # the replacement's record says so too
     assert replaced.world[:4] == [3] * 4 and replaced.world[-1] == 3, replaced.world
     grown = run(slow_mse, 32, tmp_path / "b", workers=3, min_workers=1, transport="gloo")
-    assert grown.world[0] == 1 and grown.world[-1] == 3, grown.world
+    # it grows (1, 2, 3 towers); newcomers let in before the first checkpoint after step 0
+    # send it back to step 0, so its record may start at any width
+    assert grown.world == sorted(grown.world) and grown.world[-1] == 3, grown.world
     # the replacement was let in while the survivors rebuilt, or after: the batches from the
     # checkpoint the loss sent them back to were trained again at the width they ended with
     for name, got, steps in (("replaced", replaced, 36), ("grown", grown, 32)):

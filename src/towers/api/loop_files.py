@@ -18,10 +18,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..comm.base import Comm
 from ..engines import checkpoint
 from ..engines.replica import Replica
-from ..engines.shard_files import restore_parts, save_checkpoint, unreadable_parts
+from ..engines.shard_files import load_agreed, restore_parts, save_checkpoint
 from ..engines.sync.driver import SyncDriver
 from ..engines.sync.state import RunState
 
@@ -50,22 +49,10 @@ def load_loop(
     """Restore the newest loop checkpoint in ``directory`` into ``replica`` and the run's
     state; its ``(step, extra)``, or ``None`` if there is none."""
     group = driver.group
-    together = not group.elastic and group.comm.world_size > 1  # a replacement takes a peer's
-    below: int | None = None
-    problems: tuple[str, ...] = ()
-    while True:  # each rank checks the parts it will read; all pass over a damaged one together
-        saved = checkpoint.load_latest(
-            directory, "loop", also=("sync",), parts=not together, below=below, problems=problems
-        )
-        if not together:
-            break
-        _same_checkpoint(saved, directory, group.comm)
-        if saved is None:
-            break
-        found = unreadable_parts(state.sharding, saved, os.fspath(directory), group.comm)
-        if not found:
-            break
-        below, problems = saved["step"], (*problems, *found)
+    if not group.elastic and group.comm.world_size > 1:  # a replacement takes a peer's
+        saved = load_agreed(os.fspath(directory), "loop", ("sync",), state.sharding, group.comm)
+    else:
+        saved = checkpoint.load_latest(directory, "loop", also=("sync",))
     if saved is None:
         return None
     mode = saved.get("mode", driver.mode)  # an own loop's of version 3 or before: unsaid
@@ -78,15 +65,3 @@ def load_loop(
     state.restore(saved, driver, replica)
     restore_parts(state.sharding, replica.optimizer, saved, os.fspath(directory))
     return saved["step"], saved.get("extra", {})
-
-
-def _same_checkpoint(saved: dict[str, Any] | None, directory: Any, comm: Comm) -> None:
-    """``RuntimeError`` on every rank unless every rank found the same newest checkpoint."""
-    found = comm.all_gather_object(None if saved is None else saved["step"])
-    if len(set(found)) > 1:
-        seen = ", ".join(f"rank {r}: {s if s is not None else 'none'}" for r, s in enumerate(found))
-        raise RuntimeError(
-            f"the ranks found different newest checkpoints in {directory} ({seen}); every "
-            "rank must resume from the same one: across hosts, checkpoint into a directory "
-            "every host shares, with the same path on every rank"
-        )

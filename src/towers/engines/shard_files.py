@@ -21,6 +21,7 @@ from .shard import Part, ShardedState
 
 __all__ = [
     "describe",
+    "load_agreed",
     "load_whole",
     "part_state",
     "restore_parts",
@@ -240,6 +241,43 @@ def restore_parts(
     load_parts(
         sharding, optimizer, described, lambda rank: checkpoint.read_part(directory, step, rank)
     )
+
+
+def load_agreed(
+    directory: str,
+    kind: str,
+    also: tuple[str, ...],
+    sharding: ShardedState | None,
+    comm: Comm,
+) -> dict[str, Any] | None:
+    """The newest checkpoint of ``kind`` in ``directory`` that every rank finds, with every
+    part of a sharded state that the ranks will read intact (a collective: each rank checks
+    only the parts it reads, and all pass over a damaged one together); ``None`` if none."""
+    below: int | None = None
+    problems: tuple[str, ...] = ()
+    while True:
+        saved = checkpoint.load_latest(
+            directory, kind, also=also, parts=False, below=below, problems=problems
+        )
+        _same_checkpoint(saved, directory, comm)
+        if saved is None:
+            return None
+        found = unreadable_parts(sharding, saved, directory, comm)
+        if not found:
+            return saved
+        below, problems = saved["step"], (*problems, *found)
+
+
+def _same_checkpoint(saved: dict[str, Any] | None, directory: str, comm: Comm) -> None:
+    """``RuntimeError`` on every rank unless every rank found the same newest checkpoint."""
+    found = comm.all_gather_object(None if saved is None else saved["step"])
+    if len(set(found)) > 1:
+        seen = ", ".join(f"rank {r}: {s if s is not None else 'none'}" for r, s in enumerate(found))
+        raise RuntimeError(
+            f"the ranks found different newest checkpoints in {directory} ({seen}); every "
+            "rank must resume from the same one: across hosts, checkpoint into a directory "
+            "every host shares, with the same path on every rank"
+        )
 
 
 def unreadable_parts(

@@ -23,14 +23,13 @@ from ...core.data import BatchOrder, is_dataset, num_samples
 from ...core.launch import read_launch
 from ...core.split import cut
 from ...core.step import StepResult
-from ..checkpoint import load_latest
 from ..evaluate import combine, due, evaluate
 from ..fetch import Fetcher, Planned
 from ..job import EngineResult, Job
 from ..replica import Replica, backward_shard, cpu_state
 from ..report import Reporter
 from ..shard import ShardedState
-from ..shard_files import restore_parts, save_checkpoint
+from ..shard_files import load_agreed, restore_parts, save_checkpoint
 from ..syncbn import convert_batchnorm
 from .driver import SyncDriver
 from .group import ElasticGroup, Group, PlainGroup
@@ -110,9 +109,14 @@ class _Run:
             balance=job.balance,
         )
         self.state.rebuilds = job.shard_optimizer and group.elastic
-        self.started = False  # the first members formed and began (see _regrouped)
+        self.started = False  # the first members formed and began (see _rebuild)
+        # an elastic sharded job's first checkpoint (a resumed one, or one it writes at its
+        # start; a replacement's members wrote theirs)
+        self.saved_once = resume is not None or group.joining
         self.state.replica = self.replica
-        if job.shard_optimizer:  # the user's optimizer, or the plan's own (DiLoCo's outer)
+        # the user's optimizer, or the plan's own (DiLoCo's outer); an elastic job's is cut
+        # once its members are formed (_regrouped)
+        if job.shard_optimizer and not group.elastic:
             sharding = ShardedState(self.replica.model, lambda: group.comm)
             self.state.sharding = None if self.plan.shard(sharding) else sharding
         self.driver = SyncDriver(
@@ -145,36 +149,47 @@ class _Run:
 
     def _regrouped(self) -> None:
         """The members changed (or formed): a sharded state is rebuilt, loading is planned."""
-        if self.state.rebuilds and (self.started or self.group.joining):
+        if self.state.rebuilds:
             self._rebuild()
         self._plan_loading()
 
     def _rebuild(self) -> None:
-        """An elastic job's sharded optimizer state after the members changed: a lost tower's
-        part is nowhere else, so every member takes the newest checkpoint (parameters, the
-        parts of the state cut for the new members, the record) and trains on from its step,
-        training again the global batches since (a collective; docs/sharding.md)."""
-        job, comm = self.job, self.group.comm
-        assert job.checkpoint is not None and self.state.sharding is not None
-        saved = load_latest(job.checkpoint, "sync", parts=False)
-        steps = comm.all_gather_object(None if saved is None else saved["step"])
-        if len(set(steps)) != 1 or steps[0] is None:
+        """An elastic job's sharded optimizer state, cut for the members just formed: at the
+        start, the state there is; after a change of members, the newest checkpoint's (a lost
+        tower's part is nowhere else), from whose step every member trains on, training again
+        the global batches since (a collective; docs/sharding.md, "Elastic jobs")."""
+        job, comm, optimizer = self.job, self.group.comm, self.replica.optimizer
+        assert job.checkpoint is not None and optimizer is not None
+        if self.state.sharding is not None:
+            self.state.sharding.remove()
+        optimizer.state.clear()  # the state of the parts cut for the members before
+        self.state.sharding = ShardedState(self.replica.model, lambda: self.group.comm).start()
+        self.state.newcomer = False
+        if not (self.started or self.group.joining):
+            return  # the start: the state there is
+        # each rank checks the parts it will read; all pass over a damaged one together
+        saved = load_agreed(job.checkpoint, "sync", (), self.state.sharding, comm)
+        if saved is None and self.done == 0:
+            return  # a loss before the first checkpoint was written: nothing trained yet
+        if saved is None:
             raise RuntimeError(
                 f"an elastic job with shard_optimizer=True rebuilds its state from its newest "
-                f"checkpoint in {job.checkpoint}, but its members found "
-                + ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
-                + ": checkpoint into a directory every host shares"
+                f"checkpoint, but {job.checkpoint} holds none: checkpoint into a directory "
+                "every host shares, and leave it in place while the job runs"
             )
-        assert saved is not None and self.replica.optimizer is not None
-        self.state.sharding.remove()  # cut anew for these members
-        self.replica.optimizer.state.clear()
-        self.state.sharding = ShardedState(self.replica.model, lambda: self.group.comm).start()
+        # what the checkpoint does not know, the same on every member (a newcomer knows none)
+        views = comm.all_gather_object((self.record.recoveries, self._clock()))
+        kept = max(views, key=lambda view: len(view[0]))
         self._restore(saved)
         reseed = job.seed + comm.rank + 1000 * saved["step"]  # as a resume on other towers
         self.state.restore(saved, self.driver, reseed=reseed)
-        restore_parts(self.state.sharding, self.replica.optimizer, saved, job.checkpoint)
-        self.state.newcomer = False
+        restore_parts(self.state.sharding, optimizer, saved, job.checkpoint)
+        self.record.recoveries, self.record.seconds = kept
         self.start, self.first_samples = time.perf_counter(), self.record.samples
+
+    def _first_save(self) -> bool:
+        self._save(self.done)
+        return True
 
     def _plan_loading(self) -> None:
         """Plan this tower's part of the remaining batches for the current members and split
@@ -316,9 +331,9 @@ class _Run:
                 self.state.sharding.start()
             self.driver.replicate(self.replica.model, breaks=self.breaks)
             self._restore_state()
-            if self.state.rebuilds and not group.joining and self.resume is None:
-                self._save(self.done)  # what a loss before the first checkpoint goes back to
             self.started = True
+            while self.state.rebuilds and not self.saved_once:  # what a loss goes back to
+                self.saved_once = self.runner.attempt(self._first_save) or False
             if not group.elastic:  # start the clock together (a replacement joins mid-run)
                 group.comm.barrier()
             self.start, self.first_samples = time.perf_counter(), self.record.samples
