@@ -12,7 +12,9 @@ the median time between consecutive steps' ends after a warm-up. The target: at 
 ``plain``. An arm that misses it (or ``--profile``) adds torch.profiler tables of 10 of its
 steps and of ``plain``'s to the report. After the rounds, one run each of ``train`` with
 ``compress="int8"`` and with ``mode="diloco:16"`` (their cost against ``plain``; their losses
-shown, not checked: both change the arithmetic), and of a float16 ``GradScaler`` loop, plain
+shown, not checked: both change the arithmetic), of ``train`` with ``shard_optimizer=True``
+(the sharded step's path on the device, held to ``plain``'s losses) and of ``diloco:16`` with
+its outer state sharded (held to ``diloco:16``'s), and of a float16 ``GradScaler`` loop, plain
 and the own loop (``ctx.backward(loss, scaler=...)``), the latter held to the same target and
 loss agreement against the former. With two GPUs (on the CPU smoke run, two CPU towers), two
 more: ``train`` on two towers with the second device shared with a busy process, the even
@@ -265,6 +267,13 @@ OPTIONS: dict[str, tuple[Callable[..., Run], str, bool, bool]] = {
     "train diloco:16": (functools.partial(run_train, mode="diloco:16"), "plain", False, False),
     "plain fp16": (functools.partial(run_plain, fp16=True), "plain", False, False),
     "loop fp16": (functools.partial(run_loop, fp16=True), "plain fp16", True, True),
+    "train sharded": (functools.partial(run_train, shard_optimizer=True), "plain", True, False),
+    "train diloco:16 sharded": (
+        functools.partial(run_train, mode="diloco:16", shard_optimizer=True),
+        "train diloco:16",
+        True,
+        False,
+    ),
     "train 2 even": (functools.partial(run_shared, balance=False), "plain", True, False),
     "train 2 balanced": (functools.partial(run_shared, balance=True), "plain", True, False),
 }

@@ -25,6 +25,7 @@ def test_gpu_check_cpu_smoke_run_writes_its_report(tmp_path: Path) -> None:
     assert {"environment", "plan", "arms", "agreement", "tokens_per_s", "loadavg"} <= set(report)
     assert report["tests"] is None and report["errors"] == {} and report["exit_code"] == 0
     options = ["train int8", "train diloco:16", "plain fp16", "loop fp16"]
+    options += ["train sharded", "train diloco:16 sharded"]  # one tower: the path, not the cut
     options += ["train 2 even", "train 2 balanced"]  # two CPU towers, the cores shared
     assert list(report["arms"]) == ["plain", "train", "loop", *options]
     for arm in report["arms"].values():
