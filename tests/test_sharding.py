@@ -105,6 +105,41 @@ def _adam_clipped(ctx, balance: bool) -> tuple:
     return _state(model), norms, _state_elements(opt)
 
 
+def _norms(model: nn.Module) -> list[float]:
+    """What a script reads of the gradients as a whole: the 2-norm and the largest magnitude
+    over the model (clip_grad_norm_'s two usual kinds), and each parameter's 2-norm."""
+    params = list(model.parameters())
+    total = float(nn.utils.clip_grad_norm_(params, 1e9))
+    largest = float(nn.utils.clip_grad_norm_(params, 1e9, norm_type=float("inf")))
+    return [total, largest, *(float(p.grad.norm()) for p in params)]
+
+
+def _sgd_norms(ctx) -> list[float]:
+    torch.manual_seed(0)
+    model = ctx.replicate(wide(), shard_optimizer=True)
+    opt = make("sgd", model.parameters())
+    seen = []
+    for shard in ctx.shards(batches()):
+        ctx.backward(mse(model, shard))
+        seen += _norms(model)
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+def _plain_norms(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
+    torch.manual_seed(0)
+    model = wide().to(dtype)
+    opt = make("sgd", model.parameters())
+    seen = []
+    for x, y in batches(11, dtype):
+        mse(model, (x, y)).backward()
+        seen += _norms(model)
+        opt.step()
+        opt.zero_grad()
+    return model, seen
+
+
 def _adamw_scaled_accumulated(ctx, directory: Path, stop: int | None) -> dict:
     """AdamW with weight decay, a GradScaler, two micro-batches a step, a checkpoint at each
     step; ``stop``: leave after that many steps (a run that is resumed later)."""
@@ -203,12 +238,13 @@ def _mistakes(ctx, directory: Path) -> dict[str, str]:
     return errors
 
 
-def sharded_cases(directory: Path) -> dict:
-    ctx = towers.init(timeout=60)
+def sharded_cases(directory: Path, transport: str) -> dict:
+    ctx = towers.init(timeout=60, transport=transport)
     try:
         return {
             "sgd": _sgd_plain_backward(ctx),
             "closure": _sgd_closure(ctx),
+            "norms": _sgd_norms(ctx),
             "adam": _adam_clipped(ctx, balance=False),
             "adam balanced": _adam_clipped(ctx, balance=True),
             "adamw": _adamw_scaled_accumulated(ctx, directory / "whole", None),
@@ -219,8 +255,8 @@ def sharded_cases(directory: Path) -> dict:
         ctx.close()
 
 
-def resumed_case(directory: Path) -> dict:
-    ctx = towers.init(timeout=60)
+def resumed_case(directory: Path, transport: str) -> dict:
+    ctx = towers.init(timeout=60, transport=transport)
     try:
         return _adamw_scaled_accumulated(ctx, directory / "resumed", None)
     finally:
@@ -256,9 +292,14 @@ def _plain(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_sharded_optimizer_state_trains_as_one_process_and_resumes_on_fewer_towers(tmp_path):
-    out = towers.spawn(sharded_cases, 3, tmp_path)
-    resumed = towers.spawn(resumed_case, 2, tmp_path)
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_sharded_optimizer_state_trains_as_one_process_and_resumes_on_fewer_towers(
+    tmp_path, transport
+):
+    """Over shared memory the gradients are summed whole; over Gloo each tower's part is
+    summed for it alone, and each gradient holds a stand-in for the rest of its norm."""
+    out = towers.spawn(sharded_cases, 3, tmp_path, transport)
+    resumed = towers.spawn(resumed_case, 2, tmp_path, transport)
 
     sgd = Reference.run(functools.partial(_plain, "sgd"))
     adam = Reference.run(functools.partial(_plain, "adam", clip=CLIP))
@@ -267,8 +308,14 @@ def test_sharded_optimizer_state_trains_as_one_process_and_resumes_on_fewer_towe
     adamw = Reference.run(functools.partial(_plain, "adamw", size=12, clip=1.0, micro=True))
     parts = [sum(p.size for p in ps) for ps in layout([192, 64, 64, 1], 3)]
     assert parts == [128, 128, 65]  # fc1.weight is cut between towers 0 and 1
+    if transport == "gloo":  # a third of the one bucket each
+        parts = [107, 107, 107]
+    (_, s32), (_, s64) = (_plain_norms(d) for d in (torch.float32, torch.float64))
+    seen = Reference({}, {}, s32, s64)
     for rank, got in enumerate(out):
         sgd.check(got["sgd"][0], f"rank {rank}, SGD")
+        # the gradients' norms a script reads: the global batch's, whatever each tower holds
+        seen.check_losses(got["norms"], f"rank {rank}, the gradients' 2-norms and largest values")
         sgd.check(got["closure"], f"rank {rank}, SGD, the backward in a closure")
         # each tower holds the momentum of its part only: a third of the state
         assert got["sgd"][1] == parts[rank], got["sgd"][1]

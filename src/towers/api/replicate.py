@@ -18,6 +18,7 @@ from ..engines.sync.mode import plan_for
 from ..engines.sync.plan import StepPlan
 from ..engines.syncbn import convert_batchnorm
 from ..engines.transforms import GradientTransform
+from ..engines.transforms.scatter import scatter_for
 from .balance import choose_balance, unbalanced_because
 from .make import reduction
 from .mistakes import refuse_wrapped_model, warn_unsynced_buffers
@@ -81,7 +82,11 @@ def sharding_for(
     model: nn.Module, group: Group, shard_optimizer: Any, ready: Prepared
 ) -> ShardedState | None:
     """``shard_optimizer=True``: the sharding of the optimizer's state over the ranks, checked
-    (the same on every rank, before any collective)."""
+    (the same on every rank, before any collective); where the ranks sum over a process group,
+    ``ready``'s transform becomes the one that sums each part for its owner only."""
     if not check_sharding(shard_optimizer, loop_mode(ready.mode), group.elastic, ready.transform):
         return None
-    return ShardedState(model, lambda: group.comm)
+    sharding = ShardedState(model, lambda: group.comm)
+    if ready.plan.reduces:  # the user's optimizer: summed for the owners, where bytes count
+        ready.transform = scatter_for(sharding, ready.transform, group.comm, group.elastic)
+    return sharding

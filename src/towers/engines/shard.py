@@ -174,6 +174,14 @@ class ShardedState:
             hook.remove()
         self._hooks = []
 
+    def recut(self, parts: list[list[Part]]) -> None:
+        """Each rank's parts are ``parts`` from now on (before any state is kept for them)."""
+        assert not any(h.slices for h in self._held.values()), "cut before any state is kept"
+        self.parts = parts
+        self._owned = {}
+        for part in parts[self.rank]:
+            self._owned.setdefault(part.index, []).append(part)
+
     def mine(self) -> list[Part]:
         return self.parts[self.rank]
 

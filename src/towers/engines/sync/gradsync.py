@@ -47,6 +47,7 @@ from ...core.step import (
 )
 from ...core.verdict import decide
 from ..transforms import Bucket, BucketLayout, GradientTransform
+from ..transforms.scatter import ScatterToOwners, owners_step
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -115,7 +116,8 @@ class BucketPlan:
                 slots.append((start, start + trainable[i].numel()))
                 start += trainable[i].numel()
             shapes = tuple(tuple(trainable[i].shape) for i in indices)
-            layouts.append(BucketLayout(b, shapes, tuple(slots), ref.dtype, ref.device))
+            layout = BucketLayout(b, shapes, tuple(slots), ref.dtype, ref.device, tuple(indices))
+            layouts.append(layout)
         return cls(trainable, buckets, layouts)
 
 
@@ -412,7 +414,9 @@ class GradientSync:
         tally = self.meta.read(tail[: self.meta.length])
         self.regroup = tally.regroup
         means: dict[int, torch.Tensor | None] = {}
-        if self._values is None:
+        if self._values is None and isinstance(self.transform, ScatterToOwners):
+            result = owners_step(self.transform, self.comm, tally, chosen, divided)
+        elif self._values is None:
             result = apply_sums(self.params, tally, chosen, finite, divided)
         else:
             result, means = mean_values(tally, chosen, finite, divided)

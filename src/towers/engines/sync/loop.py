@@ -31,6 +31,7 @@ from ..report import Reporter
 from ..shard import ShardedState
 from ..shard_files import load_agreed, restore_parts, save_checkpoint
 from ..syncbn import convert_batchnorm
+from ..transforms.scatter import scatter_for
 from .driver import SyncDriver
 from .group import ElasticGroup, Group, PlainGroup
 from .mode import plan_for
@@ -119,8 +120,9 @@ class _Run:
         if job.shard_optimizer and not group.elastic:
             sharding = ShardedState(self.replica.model, lambda: group.comm)
             self.state.sharding = None if self.plan.shard(sharding) else sharding
+        transform = scatter_for(self.state.sharding, job.transform, group.comm, group.elastic)
         self.driver = SyncDriver(
-            group, job.transform, owner=self.state, mode=str(job.mode),
+            group, transform, owner=self.state, mode=str(job.mode),
             defer=False if job.shard_optimizer else None,
         )  # fmt: skip
         self.runner = StepRunner(group, self.state, self.driver)

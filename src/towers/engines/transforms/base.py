@@ -62,6 +62,7 @@ class BucketLayout:
         shapes: each parameter's shape, in the bucket's order.
         slots: each parameter's ``(start, stop)`` in the flat bucket.
         dtype, device: those of the bucket's gradients.
+        params: each parameter's index among the model's trainable parameters.
     """
 
     index: int
@@ -69,6 +70,7 @@ class BucketLayout:
     slots: tuple[tuple[int, int], ...]
     dtype: torch.dtype
     device: torch.device
+    params: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
