@@ -28,7 +28,6 @@ from test_diloco import (
 from test_examples import run as run_command
 
 import towers
-from towers.comm.hang import CallMismatch
 from towers.engines.shard import ALIGN
 
 
@@ -188,25 +187,3 @@ def test_zero_redundancy_optimizer_in_a_diloco_job_is_refused_with_the_reason(tm
     assert done.returncode != 0
     assert "in mode 'diloco:2' each tower steps its own optimizer on its own" in done.stdout
     assert "ValueError" in done.stdout
-
-
-def _rank0_only_evaluate():
-    """Rank 0 evaluates mid-period; rank 1 goes on to the exchange."""
-    ctx = towers.init(timeout=5)
-    model = ctx.replicate(make_net(), mode="diloco:4", shard_optimizer=True)
-    opt = SGD(model.parameters())
-    for i, shard in enumerate(ctx.shards(LOOP_BATCHES[:4])):
-        ctx.step(mse(model, shard), opt)
-        if ctx.rank == 0 and i == 1:  # a rank-0-only evaluation, between exchanges
-            ctx.evaluate(model, DATA, lambda m, b: {"loss": mse(m, b)}, batch_size=16)
-    ctx.close()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(90)
-def test_an_evaluation_on_rank_0_only_is_named_before_the_outer_model_is_gathered():
-    with pytest.raises(CallMismatch) as info:
-        towers.spawn(_rank0_only_evaluate, 2, timeout=60)
-    text = str(info.value)
-    assert "the ranks made different calls (rank 0 in ctx.evaluate" in text
-    assert "rank 1 in the outer step (step 4)" in text  # inner steps do not wait

@@ -356,11 +356,11 @@ class Context:
             ...              batch_size=256)  # doctest: +SKIP
             {'loss': 0.31}
         """
-        self.comm.agree_call("ctx.evaluate")  # before a sharded DiLoCo state's gather
         model = self._state.evaluated(model)
         where = (self.device, self.rank, self.world_size)
         shares = self._state.shares(self.world_size)  # a balanced split's, as the shards'
         part = evaluate_loop_data(model, data, fn, batch_size, collate_fn, *where, shares)
+        self.comm.agree_call("ctx.evaluate")
         return combine(self.comm.all_gather_object(part))
 
     def save_checkpoint(
