@@ -176,6 +176,8 @@ class ShardedState:
 
     def recut(self, parts: list[list[Part]]) -> None:
         """Each rank's parts are ``parts`` from now on (before any state is kept for them)."""
+        if parts == self.parts:
+            return  # the same cut (a transform's state started again)
         assert not any(h.slices for h in self._held.values()), "cut before any state is kept"
         self.parts = parts
         self._owned = {}
