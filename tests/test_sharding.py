@@ -525,3 +525,50 @@ def test_an_own_loop_resume_reads_only_the_parts_each_rank_needs(tmp_path):
             and "resuming from the previous one" in m
             for m in said
         ), said
+
+
+def _rollback_batches() -> list:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(48, 3, generator=g), torch.randn(48, 1, generator=g)
+    return [(x[i : i + 12], y[i : i + 12]) for i in range(0, 48, 12)]
+
+
+def _rollback_run(directory: Path, transport: str, save: bool) -> dict:
+    """``save``: 2 steps and a checkpoint; else 1 step, then back to that checkpoint (written
+    by another number of towers) and on to the end."""
+    ctx = towers.init(timeout=60, transport=transport)
+    try:
+        model = ctx.replicate(wide(), shard_optimizer=True)
+        opt = make("adamw", model.parameters())
+        for shard in ctx.shards(_rollback_batches()[: 2 if save else 1]):
+            ctx.step(mse(model, shard), opt)
+        if save:
+            ctx.save_checkpoint(directory, 2, model, opt)
+            return {}
+        start, _ = ctx.load_checkpoint(directory, model, opt)
+        for shard in ctx.shards(_rollback_batches()[start:]):
+            ctx.step(mse(model, shard), opt)
+        return _state(model)
+    finally:
+        ctx.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_running_loop_rolls_back_to_another_number_of_towers_checkpoint(tmp_path, transport):
+    towers.spawn(_rollback_run, 3, tmp_path, transport, True)
+    got = towers.spawn(_rollback_run, 2, tmp_path, transport, False)
+
+    def plain(dtype: torch.dtype) -> tuple[nn.Module, list[float]]:
+        torch.manual_seed(0)
+        model = wide().to(dtype)
+        opt = make("adamw", model.parameters())
+        for x, y in _rollback_batches():
+            mse(model, (x.to(dtype), y.to(dtype))).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, []
+
+    want = Reference.run(plain)
+    for rank, state in enumerate(got):
+        want.check(state, f"{transport}, rank {rank}")
