@@ -27,11 +27,12 @@ def _batches(n_batches: int, size: int):
     return [(x[k * size : (k + 1) * size], y[k * size : (k + 1) * size]) for k in range(n_batches)]
 
 
-def _ddp_loop(accumulate: str | None = None, nan_at: int | None = None):
+def _ddp_loop(accumulate: str | None = None, nan_at: int | None = None, sharded: bool = False):
     """Steps as a DDP script writes them; ``accumulate``: two micro-batches a step, kept local
-    by ``ctx.no_sync()`` or by nanoGPT's ``require_backward_grad_sync``."""
+    by ``ctx.no_sync()`` or by nanoGPT's ``require_backward_grad_sync``; ``sharded``: the
+    optimizer's state sharded over the towers."""
     ctx = towers.init(timeout=60)
-    model = ctx.replicate(make_net(), balance=False)
+    model = ctx.replicate(make_net(), balance=False, shard_optimizer=sharded)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     micro = 2 if accumulate else 1
     batches = _batches(STEPS * micro, BATCH)
@@ -113,8 +114,9 @@ def _warned(*args):
 
 
 @pytest.mark.timeout(120)
-def test_a_non_finite_gradient_skips_the_step_on_every_rank():
-    ranks = towers.spawn(_warned, 3, None, 3, timeout=100)
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_non_finite_gradient_skips_the_step_on_every_rank(sharded):
+    ranks = towers.spawn(_warned, 3, None, 3, sharded, timeout=100)
     expected = _one_process(nan_at=3)
     for rank, (results, params, said) in enumerate(ranks):
         expected.check(params, f"rank {rank}")
@@ -124,6 +126,58 @@ def test_a_non_finite_gradient_skips_the_step_on_every_rank():
         assert len(said) == (rank == 0)
     assert "step 3 skipped: a gradient was not finite on tower(s) 2" in ranks[0][2][0]
     assert "holds NaN on every rank, the next optimizer.step() changes nothing" in ranks[0][2][0]
+
+
+def _scaled_loop(transport: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A GradScaler over the script's own ``scaler.scale(loss).backward()``, the optimizer's
+    state sharded; one sample of step 1's last shard is infinite."""
+    ctx = towers.init(timeout=60, transport=transport)
+    try:
+        model = ctx.replicate(make_net(), shard_optimizer=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scales = []
+        for shard in ctx.shards(_infinite_at_1()):
+            scaler.scale(mse(model, shard)).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scales.append(scaler.get_scale())
+        return scales, _state(model)
+    finally:
+        ctx.close()
+
+
+def _infinite_at_1() -> list:
+    batches = _batches(4, BATCH)
+    batches[1][0][-1, 0] = math.inf
+    return batches
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_scaler_over_a_plain_backward_skips_a_sharded_step_as_one_process(transport):
+    """The skipped step's gradients hold NaN on every rank, as unsharded: the scaler finds the
+    inf, skips the step and halves its scale (it used to find no gradient and fail)."""
+
+    def loop(dtype: torch.dtype):
+        model = make_net().to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for batch in _infinite_at_1():
+            batch = as_float64(batch) if dtype == torch.float64 else batch
+            scaler.scale(mse(model, batch)).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return model, []
+
+    expected = Reference.run(loop)
+    for rank, (scales, params) in enumerate(towers.spawn(_scaled_loop, 3, transport)):
+        assert scales == [1024.0, 512.0, 512.0, 512.0], scales
+        expected.check(params, f"{transport}, rank {rank}")
 
 
 def _prefetching_loop(micro: int, batch: int):

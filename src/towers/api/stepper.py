@@ -150,6 +150,8 @@ class Stepper:
 
     def _complete(self, optimizer: torch.optim.Optimizer | None, stamp: torch.Tensor) -> StepResult:
         """The step after its backward: the plan reduces (and applies), the step is counted."""
+        if self.state.sharding is not None:  # a new step: its own gradients decide
+            self.state.sharding.skipping = False
         result = self.runner.complete(optimizer, stamp=stamp)
         self.last.result = result
         if not self.joining:
@@ -263,9 +265,12 @@ class Stepper:
             result = self._complete(None, self._stamp())
         finally:
             self._done()
-        if known(result) and result.skipped and self.state.sharding is None:  # NaN for a scaler
+        if known(result) and result.skipped:  # NaN for a scaler
             poison_grads(self.driver.params)
-            self.driver.hold(result)  # and the script's optimizer.step() changes nothing
+            if self.state.sharding is not None:  # and the script's optimizer.step() changes
+                self.state.sharding.skipping = True  # nothing
+            else:
+                self.driver.hold(result)
         when_known(result, functools.partial(self._plain_done, step=self.state.steps - 1))
         self.runner.exchange(final=False)
 

@@ -35,6 +35,7 @@ from torch.optim.optimizer import (
 )
 
 from ..comm.base import Comm
+from .shard_rules import ELEMENTWISE, refuse_unshardable
 
 __all__ = [
     "ELEMENTWISE",
@@ -44,19 +45,6 @@ __all__ = [
     "layout",
     "refuse_unshardable",
 ]
-
-ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-)
-"""Optimizers whose step updates every element from its own gradient and state (and scalars
-shared by the whole parameter, such as the step count): exact when parameters are cut."""
 
 GATHER_ELEMENTS = 1 << 20  # elements per gather call, over all ranks: bounds its buffer
 GATHER_ELEMENTS_GPU = 1 << 26  # on a GPU: fewer, larger calls (256 MiB of float32)
@@ -97,27 +85,6 @@ def layout(sizes: list[int], world: int) -> list[list[Part]]:
     return owned
 
 
-def refuse_unshardable(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer whose step is not exact on parts of parameters, with the reason (a
-    class that adds no step of its own says whose it runs: ``steps_as``)."""
-    kind = getattr(type(optimizer), "steps_as", type(optimizer))
-    if kind not in ELEMENTWISE:
-        allowed = ", ".join(k.__name__ for k in ELEMENTWISE)
-        raise ValueError(
-            f"shard_optimizer cannot shard {kind.__name__}: towers cuts parameters into "
-            "parts, which is exact only for an optimizer that updates every element from "
-            f"its own gradient and state ({allowed}); an optimizer whose state needs "
-            "whole parameters (factored moments, a per-parameter trust ratio, "
-            "orthogonalised updates) would change the result. Train it without "
-            "shard_optimizer"
-        )
-    if any(group.get("differentiable") for group in optimizer.param_groups):
-        raise ValueError(
-            "shard_optimizer cannot shard an optimizer built with differentiable=True: its "
-            "step would run on detached slices of the parameters, outside their graph"
-        )
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1) if t.is_contiguous() else t.reshape(-1)
 
@@ -156,6 +123,9 @@ class ShardedState:
             weakref.WeakKeyDictionary()
         )
         self._buffers: dict[torch.dtype, torch.Tensor | None] = {}  # see _lent
+        # a step skipped over all towers whose .grad hold NaN (for a GradScaler to see): the
+        # next optimizer step changes nothing, until a new step is decided
+        self.skipping = False
         self._hooks: list[Any] = []
 
     def start(self) -> ShardedState:
@@ -265,8 +235,12 @@ class ShardedState:
         return args, {**kwargs, "closure": whole_for_the_closure}
 
     def _swap(self, optimizer: torch.optim.Optimizer, held: Held) -> None:
-        """Give ``optimizer``'s groups this rank's slices, with views of the gradients."""
+        """Give ``optimizer``'s groups this rank's slices, with views of the gradients (none
+        while :attr:`skipping`)."""
         swapped = [self._slices(held, params) for params in held.groups]
+        if self.skipping:
+            for view in held.slices.values():
+                view.grad = None
         for group, params in zip(optimizer.param_groups, swapped, strict=True):
             group["params"] = params
         held.swapped = True
