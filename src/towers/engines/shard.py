@@ -66,6 +66,11 @@ class Part:
     def size(self) -> int:
         return self.stop - self.start
 
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This part's elements of ``t`` (the parameter, or a tensor of its shape), flattened:
+        a view where ``t`` is contiguous."""
+        return _flat(t.detach())[self.start : self.stop]
+
 
 def layout(sizes: list[int], world: int) -> list[list[Part]]:
     """Each rank's parts of parameters of ``sizes`` elements: balanced by elements, within
@@ -115,10 +120,9 @@ class ShardedState:
         self._comm = comm
         current = comm()
         self.rank, self.world = current.rank, current.world_size
-        self.parts = layout([p.numel() for p in self.params], self.world)
+        self.parts: list[list[Part]] = []
         self._owned: dict[int, list[Part]] = {}  # this rank's parts of each parameter
-        for part in self.parts[self.rank]:
-            self._owned.setdefault(part.index, []).append(part)
+        self._cut(layout([p.numel() for p in self.params], self.world))
         self._held: weakref.WeakKeyDictionary[torch.optim.Optimizer, Held] = (
             weakref.WeakKeyDictionary()
         )
@@ -149,6 +153,9 @@ class ShardedState:
         if parts == self.parts:
             return  # the same cut (a transform's state started again)
         assert not any(h.slices for h in self._held.values()), "cut before any state is kept"
+        self._cut(parts)
+
+    def _cut(self, parts: list[list[Part]]) -> None:
         self.parts = parts
         self._owned = {}
         for part in parts[self.rank]:
@@ -185,8 +192,7 @@ class ShardedState:
         """The slice of ``part`` that ``held``'s optimizer keeps state for (made once)."""
         view = held.slices.get(part)
         if view is None:
-            flat = self.params[part.index].detach().view(-1)
-            view = held.slices[part] = flat[part.start : part.stop]
+            view = held.slices[part] = part.of(self.params[part.index])
         return view
 
     # -- the step -------------------------------------------------------------------------------
@@ -285,7 +291,7 @@ class ShardedState:
             for part in self.owned(self._index[id(p)]):
                 view = self.view(held, part)
                 grad = p.grad
-                view.grad = None if grad is None else _flat(grad)[part.start : part.stop]
+                view.grad = None if grad is None else part.of(grad)
                 out.append(view)
         return out
 

@@ -19,7 +19,7 @@ so the mode refuses one (:meth:`towers.engines.modes.Diloco.check_sharding`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,15 +31,6 @@ from ..shard_files import load_whole, part_state, whole_state
 from .message import unflatten
 
 __all__ = ["OuterParts", "refuse_low_precision"]
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().view(-1)
-
-
-def _part(t: torch.Tensor, part: Part) -> torch.Tensor:
-    """``part``'s elements of ``t`` (a parameter, or a tensor of its shape), as a view."""
-    return _flat(t)[part.start : part.stop]
 
 
 def refuse_low_precision(model: nn.Module) -> None:
@@ -77,7 +68,7 @@ class OuterParts:
     def take(self) -> None:
         """The model holds the outer parameters and buffers now: keep this tower's part."""
         for part in self.sharding.mine():
-            self.kept[part] = self._slice(self.params, part).clone()
+            self.kept[part] = part.of(self.params[part.index]).clone()
         self.buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
 
     def load(self, state: dict[str, Any]) -> None:
@@ -101,7 +92,7 @@ class OuterParts:
         and buffers (a collective)."""
         with torch.no_grad():
             for part, kept in self.kept.items():  # the outer values, where this tower owns them
-                self._slice(self.params, part).copy_(kept)
+                part.of(self.params[part.index]).copy_(kept)
             if skipped:
                 self.sharding.gather(set(range(len(self.params))))
             else:
@@ -110,13 +101,13 @@ class OuterParts:
                 for part, kept in self.kept.items():  # the mean pseudo-gradient, outer - M
                     grad = self.params[part.index].grad
                     assert grad is not None
-                    mean = _flat(means[part.index])[part.start : part.stop]
-                    torch.sub(kept, mean.to(kept.device), out=_part(grad, part))
+                    mean = part.of(means[part.index])
+                    torch.sub(kept, mean.to(kept.device), out=part.of(grad))
                 self.sharding.step(self.optimizer)  # this tower's slices, then the gather
                 for p in self.params:
                     p.grad = None
                 for part, kept in self.kept.items():
-                    kept.copy_(self._slice(self.params, part))
+                    kept.copy_(part.of(self.params[part.index]))
                 if buffers is not None:
                     unflatten(buffers, [b for n, b in self.buffers.items() if n in self._floats])
             for n, b in self.model.named_buffers():  # the floating-point ones follow the outer
@@ -140,7 +131,7 @@ class OuterParts:
         with torch.no_grad():
             if gather:
                 for part, kept in self.kept.items():
-                    self._slice(params, part).copy_(kept)
+                    part.of(params[part.index]).copy_(kept)
                 self.sharding.gather(set(range(len(params))), into=params)
             for n, b in outer.named_buffers():
                 b.copy_(self.buffers[n])
@@ -155,7 +146,3 @@ class OuterParts:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take this tower's part of a whole outer optimizer state."""
         load_whole(self.sharding, self.optimizer, state)
-
-    @staticmethod
-    def _slice(params: Sequence[torch.Tensor], part: Part) -> torch.Tensor:
-        return _part(params[part.index], part)
