@@ -12,11 +12,13 @@ every bucket of ``n`` elements, ``c = ceil(n / W)`` (:func:`owned_parts`), so th
 one contiguous piece of a bucket: an all-to-all sends every rank its piece of each bucket, and
 the owner adds the ``W`` pieces in rank order. The rest of the bucket is left zero.
 
-The user's own ``clip_grad_norm_`` and ``GradScaler`` still see the whole model: once the step
-is decided, each parameter's gradient outside this tower's part holds, in one element, the
-2-norm of the rest of the summed gradient (:func:`owners_step`), so that every parameter's gradient
-has the 2-norm of the global batch's gradient on every tower (an all-reduce of one number per
-parameter). Its values outside the tower's part are not the gradient's.
+The user's own ``clip_grad_norm_`` and ``GradScaler`` still see the whole model: the ranks
+all-gather each piece's squared 2-norm and largest magnitude per parameter (and whether it is
+finite, so that they decide the step alike), and once the step is decided each parameter's
+gradient outside this tower's part holds stand-ins for the rest of the summed gradient
+(:func:`owners_step`), so that every parameter's gradient has the 2-norm and the largest
+magnitude of the global batch's gradient on every tower. Its values outside the tower's part
+are not the gradient's.
 """
 
 from __future__ import annotations
@@ -118,10 +120,10 @@ def owners_step(
     result = apply_sums(params, tally, sums, finite, divided)
     if not result.skipped:
         scale = 1.0 if divided else float(tally.total or 1)
-        others = torch.cat([every[: comm.rank, 1, :-1], every[comm.rank + 1 :, 1, :-1]])
-        peaks = others.max(0).values if len(others) else torch.zeros(len(params))
-        squares = every[:, 0, :-1].sum(0) / scale**2
-        _fill(params, transform.sharding.mine(), squares, peaks / scale)
+        others = torch.cat([every[: comm.rank], every[comm.rank + 1 :]])  # the other pieces
+        rest = others[:, 0, :-1].sum(0) / scale**2
+        peaks = others[:, 1, :-1].max(0).values if len(others) else torch.zeros(len(params))
+        _fill(params, transform.sharding.mine(), rest, peaks / scale)
     return result
 
 
@@ -144,15 +146,15 @@ def _pieces(count: int, sums: Sequence[tuple[torch.Tensor, Any]]) -> torch.Tenso
 def _fill(
     params: Sequence[torch.Tensor],
     parts: Sequence[Part],
-    squares: torch.Tensor,
+    rests: torch.Tensor,
     peaks: torch.Tensor,
 ) -> None:
     """Give each parameter's gradient outside this tower's part stand-ins for the rest of the
     global batch's gradient: ``k - 1`` elements of the others' largest magnitude ``m`` and one
     of the remainder, ``k = ceil(rest**2 / m**2)``, so that the gradient's 2-norm and largest
     magnitude (``clip_grad_norm_``'s default and ``norm_type=inf``) are the global batch's;
-    ``squares``: each parameter's squared 2-norm over every rank, ``peaks``: its largest
-    magnitude over the other ranks."""
+    ``rests`` and ``peaks``: each parameter's squared 2-norm and largest magnitude over the
+    other ranks' pieces."""
     owned = {part.index: part for part in parts}  # a parameter meets a rank's piece once
     for i, p in enumerate(params):
         if p.grad is None:
@@ -163,8 +165,7 @@ def _fill(
         outside = flat.numel() - (hi - lo)
         if outside == 0:
             continue  # wholly this tower's
-        here = float(flat[lo:hi].double().square().sum()) if hi > lo else 0.0
-        rest, m = max(0.0, float(squares[i]) - here), float(peaks[i])
+        rest, m = float(rests[i]), float(peaks[i])
         if rest == 0.0 or m == 0.0:
             continue
         k = min(outside, max(1, math.ceil(rest / (m * m) - 1e-9)))
