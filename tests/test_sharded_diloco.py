@@ -28,7 +28,7 @@ from test_diloco import (
 from test_examples import run as run_command
 
 import towers
-from towers.engines.shard import ALIGN
+from towers.engines.shard_rules import ALIGN
 
 
 def run(steps: int, workers: int = 3, model=make_net, **kwargs):

@@ -19,7 +19,7 @@ from helpers import make_net
 from test_diloco import DATA, SignedDyingOnce, mse_dying_once, slow_mse
 
 import towers
-from towers.engines.shard import ALIGN
+from towers.engines.shard_rules import ALIGN
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=0.03, weight_decay=0.1)
 

@@ -20,6 +20,7 @@ from torch import nn
 
 import towers
 from towers.engines.shard import ELEMENTWISE, layout
+from towers.engines.shard_gather import IN_FLIGHT, PIECE
 
 STEPS, CLIP = 7, 0.05
 
@@ -397,6 +398,31 @@ def test_train_with_sharded_state_resumes_on_more_towers_as_one_process(tmp_path
             wide(), mse, DATA, batch_size=5, steps=14, workers=2, optimizer=ADAMW,
             lr_schedule=DECAY, seed=11, progress=False, checkpoint=tmp_path,
         )  # fmt: skip
+
+
+def deep(seed: int = 0) -> nn.Module:
+    """About 530 k parameters in one bucket: over 2 towers and Gloo each tower's part is more
+    than ``IN_FLIGHT`` calls of ``PIECE`` elements, in the sum and in the gather."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(3, 1024), nn.Tanh(), nn.Linear(1024, 512), nn.Tanh(), nn.Linear(512, 1)
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_part_sent_in_many_calls_over_gloo_trains_as_one_process():
+    total = sum(p.numel() for p in deep().parameters())
+    assert total // 2 > IN_FLIGHT * PIECE  # more calls than are started at once
+    result = towers.train(
+        deep(), mse, DATA, batch_size=5, steps=6, workers=2, optimizer=ADAMW,
+        lr_schedule=DECAY, seed=11, progress=False, shard_optimizer=True, transport="gloo",
+    )  # fmt: skip
+    reference = Reference.of(
+        deep(), DATA, batch_size=5, steps=6, optimizer=ADAMW, lr_schedule=DECAY, seed=11,
+        towers=2, shards=result.shards,
+    )  # fmt: skip
+    reference.check_losses(result.losses, "6 steps")
+    reference.check(result.model, "6 steps")
 
 
 def test_train_refuses_what_it_cannot_shard_before_any_worker_starts():

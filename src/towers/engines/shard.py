@@ -20,9 +20,6 @@ gathering; an optimizer over none of the model's parameters is left alone.
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
-import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,7 +32,8 @@ from torch.optim.optimizer import (
 )
 
 from ..comm.base import Comm
-from .shard_rules import ELEMENTWISE, refuse_unshardable
+from .shard_gather import Gathers
+from .shard_rules import ELEMENTWISE, Part, layout, refuse_unshardable
 
 __all__ = [
     "ELEMENTWISE",
@@ -45,53 +43,6 @@ __all__ = [
     "layout",
     "refuse_unshardable",
 ]
-
-GATHER_ELEMENTS = 1 << 20  # elements per gather call, over all ranks: bounds its buffer
-GATHER_ELEMENTS_GPU = 1 << 26  # on a GPU: fewer, larger calls (256 MiB of float32)
-ALIGN = 64
-"""A cut inside a parameter falls on a multiple of this many elements from its start, so that a
-slice is processed by the same vectorised loop as the whole parameter (its tail is the
-parameter's): the element-wise step of a slice is the whole parameter's, bit for bit."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Part:
-    """Elements ``[start, stop)`` of parameter ``index`` (flattened), owned by one rank."""
-
-    index: int
-    start: int
-    stop: int
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-    def of(self, t: torch.Tensor) -> torch.Tensor:
-        """This part's elements of ``t`` (the parameter, or a tensor of its shape), flattened:
-        a view where ``t`` is contiguous."""
-        return _flat(t.detach())[self.start : self.stop]
-
-
-def layout(sizes: list[int], world: int) -> list[list[Part]]:
-    """Each rank's parts of parameters of ``sizes`` elements: balanced by elements, within
-    :data:`ALIGN` elements, as a cut inside a parameter falls on a multiple of ``ALIGN``."""
-    per = max(1, -(-sum(sizes) // world))
-    owned: list[list[Part]] = [[] for _ in range(world)]
-    offset = 0
-    for index, size in enumerate(sizes):
-        at = 0
-        while at < size:
-            rank = (offset + at) // per
-            stop = (rank + 1) * per - offset  # where the rank's elements end, in this parameter
-            stop = size if stop >= size else min(size, -(-stop // ALIGN) * ALIGN)
-            owned[rank].append(Part(index, at, stop))
-            at = stop
-        offset += size
-    return owned
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
 
 
 class Held:
@@ -126,7 +77,7 @@ class ShardedState:
         self._held: weakref.WeakKeyDictionary[torch.optim.Optimizer, Held] = (
             weakref.WeakKeyDictionary()
         )
-        self._buffers: dict[torch.dtype, torch.Tensor | None] = {}  # see _lent
+        self._gathers = Gathers(self.params, self.rank, self.world)
         # a step skipped over all towers whose .grad hold NaN (for a GradScaler to see): the
         # next optimizer step changes nothing, until a new step is decided
         self.skipping = False
@@ -320,91 +271,7 @@ class ShardedState:
     def gather(self, indices: set[int], into: Sequence[torch.Tensor] | None = None) -> None:
         """Every rank's updated parts of the parameters ``indices`` into every rank's copy
         (``into``: into these tensors instead, one per parameter, each of its shape)."""
-        params = self.params if into is None else into
-        comm = self._comm()
-        by_dtype: dict[torch.dtype, list[list[Part]]] = {}
-        for rank, parts in enumerate(self.parts):
-            for part in parts:
-                if part.index in indices:
-                    dtype = self.params[part.index].dtype
-                    by_dtype.setdefault(dtype, [[] for _ in range(self.world)])[rank].append(part)
-        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-            self._gather(comm, by_dtype[dtype], dtype, params)
-
-    def _gather(
-        self,
-        comm: Comm,
-        parts: list[list[Part]],
-        dtype: torch.dtype,
-        params: Sequence[torch.Tensor],
-    ) -> None:
-        width = max(sum(part.size for part in ps) for ps in parts)
-        device = self.params[0].device
-        lent = self._lent(comm, dtype)
-        most = GATHER_ELEMENTS_GPU if device.type == "cuda" else GATHER_ELEMENTS
-        step = max(1, most // self.world)
-        runs = [_Run(ps) for ps in parts]
-        for begin in range(0, width, step):
-            n = min(step, width - begin)
-            if lent is not None:  # shared memory: a sum where only the owner is not zero
-                out = lent[: n * self.world]
-                out.zero_()
-                mine = out[self.rank * n : (self.rank + 1) * n]
-                self._copy(runs[self.rank], mine, begin, params, out=True)
-                comm.all_reduce_sum(out).wait()
-                others = list(range(self.world))  # the owner too: -0.0 arrives as +0.0 everywhere
-            else:
-                chunk = torch.zeros(n, dtype=dtype, device=device)
-                self._copy(runs[self.rank], chunk, begin, params, out=True)
-                out = torch.empty(n * self.world, dtype=dtype, device=device)
-                comm.all_gather(out, chunk).wait()
-                others = [r for r in range(self.world) if r != self.rank]
-            for rank in others:
-                self._copy(runs[rank], out[rank * n : (rank + 1) * n], begin, params, out=False)
-
-    def _lent(self, comm: Comm, dtype: torch.dtype) -> torch.Tensor | None:
-        """A buffer that ``comm`` sums in place (shared memory, on one host), for gathers of
-        ``dtype``: a collective, asked once per dtype; ``None`` where the transport lends none
-        or the ranks span hosts (a sum between hosts would move twice an all-gather's bytes)."""
-        if dtype not in self._buffers:
-            widest = max(sum(part.size for part in ps) for ps in self.parts)
-            n = min(widest, max(1, GATHER_ELEMENTS // self.world)) * self.world
-            usable = dtype.is_floating_point and comm.levels is None
-            self._buffers[dtype] = comm.buffer(n, dtype) if usable else None
-        return self._buffers[dtype]
-
-    def _copy(
-        self,
-        run: _Run,
-        chunk: torch.Tensor,
-        begin: int,
-        params: Sequence[torch.Tensor],
-        *,
-        out: bool,
-    ) -> None:
-        """Elements ``[begin, begin + len(chunk))`` of a rank's parts, laid end to end: into
-        ``chunk`` (``out``: this rank's, to send) or from it into the parameters. Only the
-        parts that overlap them are visited (a model of many parameters gathers in many
-        chunks)."""
-        end = begin + chunk.numel()
-        for k in range(max(0, bisect.bisect_right(run.starts, begin) - 1), len(run.parts)):
-            at, part = run.starts[k], run.parts[k]
-            if at >= end:
-                break
-            lo, hi = max(at, begin), min(at + part.size, end)
-            if lo < hi:
-                a = part.start + lo - at
-                flat = params[part.index].detach().view(-1)[a : a + hi - lo]
-                there = chunk[lo - begin : hi - begin]
-                (there if out else flat).copy_(flat if out else there)
-
-
-class _Run:
-    """A rank's parts laid end to end, with where each starts among its elements."""
-
-    def __init__(self, parts: list[Part]):
-        self.parts = parts
-        self.starts = list(itertools.accumulate((p.size for p in parts[:-1]), initial=0))
+        self._gathers.run(self._comm(), self.parts, indices, self.params if into is None else into)
 
 
 def _refuse_state_dict(optimizer: torch.optim.Optimizer, *args: Any) -> None:

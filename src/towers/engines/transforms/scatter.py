@@ -9,8 +9,10 @@ gather (the other half) moves exactly an all-reduce's, DDP's.
 
 Here the parts follow the buckets: rank ``r`` of ``W`` owns elements ``[r * c, (r + 1) * c)`` of
 every bucket of ``n`` elements, ``c = ceil(n / W)`` (:func:`owned_parts`), so that each part is
-one contiguous piece of a bucket: an all-to-all sends every rank its piece of each bucket, and
-the owner adds the ``W`` pieces in rank order. The rest of the bucket is left zero.
+one contiguous piece of a bucket: all-to-alls send every rank its piece of each bucket, and
+the owner adds the ``W`` pieces in rank order. The rest of the bucket is left zero. On CPUs a
+piece goes in calls of :data:`~towers.engines.shard_gather.PIECE` elements a rank, all started
+at once, as the gather's are (see there why); on a GPU, in one call.
 
 The user's own ``clip_grad_norm_`` and ``GradScaler`` still see the whole model: the ranks
 all-gather each piece's squared 2-norm and largest magnitude per parameter (and whether it is
@@ -32,6 +34,7 @@ import torch
 from ...comm.base import Comm, DistComm
 from ...core.step import StepResult, Tally, apply_sums
 from ..shard import Part, ShardedState
+from ..shard_gather import PIECE
 from .base import Bucket, BucketLayout, sum_tail
 
 __all__ = ["ScatterToOwners", "owned_parts", "owners_step", "scatter_for"]
@@ -82,16 +85,25 @@ class ScatterToOwners:
         world, rank, n = comm.world_size, comm.rank, b.grads.numel()
         c = _chunk(n, world)
         send = b.grads if n == c * world else torch.cat([b.grads, b.grads.new_zeros(c * world - n)])
-        got = torch.empty_like(send)
-        works = [comm.all_to_all(got, send), *sum_tail(b, comm)]
+        rows = send.view(world, c)
+        k = c if b.grads.device.type == "cuda" else PIECE  # each rank's elements per call
+        pieces = []
+        for j in range(0, c, k):
+            piece = rows[:, j : j + k].contiguous() if k < c else rows
+            got = torch.empty_like(piece)
+            pieces.append((j, got, comm.all_to_all(got.view(-1), piece.view(-1))))
+        works = sum_tail(b, comm)
 
         def summed() -> Bucket:
+            lo, hi = rank * c, min((rank + 1) * c, n)
+            mine = torch.empty(c, dtype=b.grads.dtype, device=b.grads.device)
+            for j, got, work in pieces:
+                work.wait()
+                torch.sum(got, 0, out=mine[j : j + got.shape[1]])
             for work in works:
                 work.wait()
-            lo, hi = rank * c, min((rank + 1) * c, n)
-            mine = got.view(world, c).sum(0)[: max(0, hi - lo)]
             b.grads.zero_()
-            b.grads[lo:hi].copy_(mine)
+            b.grads[lo:hi].copy_(mine[: max(0, hi - lo)])
             return Bucket(b.index, b.grads, b.tail, b.whole)
 
         return Bucket(b.index, b.grads, b.tail, b.whole, summed), state
