@@ -73,6 +73,7 @@ ARMS: list[dict[str, Any]] = [
     {"name": "towers sync", "per_host": 1, "train": {}, "by_default": BOTH},
     {"name": "towers shard_optimizer", "per_host": 1, "train": {"shard_optimizer": True}},
     {"name": "ddp ZeroRedundancyOptimizer", "per_host": 1, "ddp": "zero"},
+    {"name": "towers.ddp ZeroRedundancyOptimizer", "per_host": 1, "ddp": "ported-zero"},
     {"name": "towers bf16", "per_host": 1, "train": {"compress": "bf16"}},
     {"name": "towers fp16", "per_host": 1, "train": {"compress": "fp16"}},
     {"name": "towers int8", "per_host": 1, "train": {"compress": "int8"}, "by_default": BOTH},

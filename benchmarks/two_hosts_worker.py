@@ -21,7 +21,10 @@ An arm is a dict: ``{"train": {...}}`` is ``towers.train(**...)``'s keywords ove
 problem (any of them: ``compress``, ``transport``, ``mode``...); ``{"ddp": "plain" |
 "powersgd:R" | "powersgd-1bucket:R" | "postlocal:P"}`` is DistributedDataParallel over Gloo,
 plain, with ``powerSGD_hook`` (default buckets, or every gradient in one bucket), or with
-``post_localSGD_hook`` and ``PostLocalSGDOptimizer`` averaging parameters every P steps.
+``post_localSGD_hook`` and ``PostLocalSGDOptimizer`` averaging parameters every P steps;
+``"zero"`` is torch's ``ZeroRedundancyOptimizer`` over DDP, and ``"ported-zero"`` the same
+script on ``towers.ddp``'s names (its ``DistributedDataParallel`` and
+``ZeroRedundancyOptimizer``).
 ``{"lightning": "ddp" | {...}}`` is a LightningModule fitted by a Trainer with Lightning's
 ``ddp`` strategy or ``TowersStrategy(**...)`` (``mode``, ``compress``, ...), one node per host.
 
@@ -51,6 +54,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import towers
+import towers.ddp
 from towers.tools.zoo import cross_entropy, digits_flat, mlp
 
 LINK = ""  # this host's end of the link
@@ -154,6 +158,11 @@ def _ddp_model(p: Problem, kind: str) -> tuple[Any, torch.optim.Optimizer]:
     from torch.nn.parallel import DistributedDataParallel
 
     name, _, arg = kind.partition(":")
+    if name == "ported-zero":  # the same script on towers.ddp's names
+        model = towers.ddp.DistributedDataParallel(p.model(), bucket_cap_mb=25)
+        opt = p.optimizer(model.parameters())
+        zero = towers.ddp.ZeroRedundancyOptimizer
+        return model, zero(model.parameters(), optimizer_class=type(opt), **opt.defaults)
     one_bucket = name == "powersgd-1bucket"
     ddp = DistributedDataParallel(p.model(), bucket_cap_mb=100 if one_bucket else 25)
     opt = p.optimizer(ddp.parameters())
@@ -187,15 +196,16 @@ def _ddp_model(p: Problem, kind: str) -> tuple[Any, torch.optim.Optimizer]:
 def run_ddp(p: Problem, kind: str, steps: int, every: int) -> dict[str, Any]:
     """DDP over the same global batches (each split with towers.split, as towers splits them)."""
     os.environ["GLOO_SOCKET_IFNAME"] = LINK
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    on = towers.ddp if kind.startswith("ported") else dist
+    on.init_process_group("gloo")
+    rank, world = on.get_rank(), on.get_world_size()
     ddp, opt = _ddp_model(p, kind)
     loader = DataLoader(
         TensorDataset(*p.data), batch_size=p.batch, shuffle=True,
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
     record, batches = new_record(), iter(())
-    dist.barrier()
+    on.barrier()
     start = time.perf_counter()
     for k in range(1, steps + 1):
         batch = next(batches, None)
@@ -207,8 +217,8 @@ def run_ddp(p: Problem, kind: str, steps: int, every: int) -> dict[str, Any]:
         p.loss(ddp, shard).backward()
         opt.step()
         stepped(record, k, start, p, ddp.module, every, steps, rank)
-    dist.barrier()
-    dist.destroy_process_group()
+    on.barrier()
+    on.destroy_process_group()
     return record
 
 

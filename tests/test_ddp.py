@@ -363,14 +363,22 @@ def test_the_batch_sampler_s_bad_arguments_are_named(job_of_one):
 
 
 @pytest.mark.timeout(150)
-def test_zero_redundancy_optimizer_shards_adamw_exactly_and_its_whole_state_resumes(tmp_path):
+def test_zero_redundancy_optimizer_shards_adamw_exactly_and_its_whole_state_resumes(
+    tmp_path, monkeypatch
+):
     """tests/scripts/ddp_zero.py: torch's ZeroRedundancyOptimizer by its name, AdamW with
-    weight decay, on 2 ranks. Each rank holds the state of its part (cut inside the first
-    weight); after 4 steps the state consolidated on rank 0 is one process's AdamW state, in
-    AdamW's own layout, and loaded on every rank (under torchrun) it resumes to one process's
-    parameters after all 7 steps (the last batch short)."""
+    weight decay and clipping that bites, on 2 ranks. The first 4 steps sum over Gloo, where
+    each rank's part is its piece of the one bucket (half each: the sum goes to the owners
+    alone), with steps decided as on a GPU (where the clipped norm needs the host); the state
+    consolidated on rank 0 is one process's AdamW state, in AdamW's own layout, and loaded on
+    every rank (under torchrun, over shared memory, where the parts are cut inside the first
+    weight) it resumes to one process's parameters after all 7 steps (the last batch short)."""
     script = ROOT / "tests" / "scripts" / "ddp_zero.py"
+    monkeypatch.setenv("TOWERS_TRANSPORT", "gloo")
+    monkeypatch.setenv("TOWERS_DECIDE_ON_DEVICE", "1")
     launch(tmp_path, script, 2, "towers", str(tmp_path), "first")
+    monkeypatch.delenv("TOWERS_TRANSPORT")
+    monkeypatch.delenv("TOWERS_DECIDE_ON_DEVICE")
     launch(tmp_path, script, 2, "torchrun", str(tmp_path), "resume")
     job = load_script(script)
     dataset = job.data()
@@ -387,6 +395,8 @@ def test_zero_redundancy_optimizer_shards_adamw_exactly_and_its_whole_state_resu
             x, y = (t.to(dtype) for t in dataset[index])
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
+            clipped = nn.utils.clip_grad_norm_(model.parameters(), job.CLIP)
+            assert clipped > job.CLIP  # it bites
             opt.step()
         return _with_moments(model, opt.state_dict()["state"] if moments else {}), []
 
@@ -399,7 +409,7 @@ def test_zero_redundancy_optimizer_shards_adamw_exactly_and_its_whole_state_resu
     final = Reference.run(lambda dtype: trained(7, dtype, False))
     final.check(torch.load(tmp_path / "final.pt"), "resumed from the consolidated state")
     held = [torch.load(tmp_path / f"held-{r}.pt") for r in range(2)]
-    assert held == [2 * 320, 2 * (578 - 320)]  # exp_avg and exp_avg_sq of each rank's part
+    assert held == [2 * 289, 2 * 289]  # exp_avg and exp_avg_sq of each rank's piece
 
 
 @pytest.mark.timeout(120)

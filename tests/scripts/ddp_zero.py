@@ -1,6 +1,6 @@
 """A DDP script with torch's ``ZeroRedundancyOptimizer``, on towers by its imports: AdamW with
-weight decay over rank-strided batches of 16 (torch's order, unpadded: 203 samples make 6
-global batches of 32 and one of 11).
+weight decay and the gradient's norm clipped, over rank-strided batches of 16 (torch's order,
+unpadded: 203 samples make 6 global batches of 32 and one of 11).
 
     towers run ddp_zero.py -n 2 -- OUT first|resume
 
@@ -21,7 +21,7 @@ import towers.ddp as dist
 from towers.ddp import DistributedDataParallel as DDP
 from towers.ddp import DistributedSampler, ZeroRedundancyOptimizer
 
-SAMPLES, BATCH, FIRST, LR, DECAY = 203, 16, 4, 0.01, 0.1
+SAMPLES, BATCH, FIRST, LR, DECAY, CLIP = 203, 16, 4, 0.01, 0.1, 0.05
 
 
 def data() -> TensorDataset:
@@ -55,6 +55,7 @@ def main(out: Path, phase: str) -> None:
         loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # over the whole model
         optimizer.step()
     if phase == "first":
         optimizer.consolidate_state_dict(to=0)

@@ -35,6 +35,7 @@ from ..core.modes import Engine, parse_mode
 from ..engines.job import OptimizerFactory
 from ..engines.sync.state import RunState
 from ..engines.transforms import GradientTransform
+from ..engines.transforms.scatter import ScatterToOwners
 from .context import Context
 from .join import join
 from .micro import MicroBatches
@@ -411,6 +412,8 @@ class DistributedDataParallel(nn.Module):
         if self._steps.state.sharding is not None:  # a ZeroRedundancyOptimizer's
             self._steps.state.sharding.remove()
             self._steps.state.sharding = None
+            if isinstance(self._steps.driver.transform, ScatterToOwners):
+                self._steps.driver.retransform(None)
         _models.discard(self)
 
 

@@ -21,6 +21,8 @@ import torch
 
 from ..engines.shard import ShardedState, refuse_unshardable
 from ..engines.shard_files import load_whole, part_state, whole_state
+from ..engines.transforms import AllReduce
+from ..engines.transforms.scatter import scatter_for
 from . import ddp
 from .validate import check_sharding, loop_mode
 
@@ -132,7 +134,12 @@ def _sharding(optimizer: torch.optim.Optimizer) -> ShardedState:
             "shard, so there is no one state to share: build the optimizer class itself"
         )
     if state.sharding is None:
-        group = ddp.context()._group
-        check_sharding(True, loop_mode(wrapped._steps.driver.mode), group.elastic, None)
-        state.sharding = ShardedState(wrapped.module, lambda: group.comm).start()
+        group, driver = ddp.context()._group, wrapped._steps.driver
+        check_sharding(True, loop_mode(driver.mode), group.elastic, None)
+        sharding = ShardedState(wrapped.module, lambda: group.comm)
+        scatter = scatter_for(sharding, None, group.comm, group.elastic)
+        same = [id(p) for p in sharding.params] == [id(p) for p in driver.params]  # none frozen
+        if scatter is not None and same and isinstance(driver.transform, AllReduce):
+            driver.retransform(scatter)  # each part summed for its owner alone: DDP's bytes
+        state.sharding = sharding.start()
     return state.sharding

@@ -374,6 +374,14 @@ class SyncDriver:
         if self.sync is not None:
             self.sync.commit(state)
 
+    def retransform(self, transform: GradientTransform | None) -> None:
+        """Sum with ``transform`` (``None``: the default sum) from the next step on, from its
+        first state (between steps)."""
+        self.transform = check_transform(transform)
+        if self.sync is not None:
+            self.sync.transform = self.transform
+        self.state = self.transform.init(self._plan().layouts)
+
     def remove(self) -> None:
         """Detach the hooks (the model trains on without averaging)."""
         if self.sync is not None:

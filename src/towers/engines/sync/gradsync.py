@@ -426,10 +426,11 @@ class GradientSync:
 
     def _decides_on_device(self) -> bool:
         """Whether this step is decided without the host reading it (:mod:`towers.core.verdict`):
-        where asked, for gradients (not values), and where every parameter had a gradient
-        here, so that none is left ``None`` by the sum. A transform's state after the step is
-        committed when the next step first needs it (:meth:`settle`)."""
-        return self.defer and self._values is None and bool(self._had_grad.all())
+        where asked, for gradients (not values) summed whole (not for owners: the host fills
+        the stand-ins), and where every parameter had a gradient here, so that none is left
+        ``None`` by the sum. A transform's state is committed at the next step (:meth:`settle`)."""
+        whole = self._values is None and not isinstance(self.transform, ScatterToOwners)
+        return self.defer and whole and bool(self._had_grad.all())
 
     def _land_pending(
         self, tail: torch.Tensor, chosen: list[tuple[torch.Tensor, Any]]
