@@ -124,7 +124,7 @@ def owners_step(
     division and the stand-ins that give each gradient the global batch's 2-norm and largest
     magnitude (:func:`_fill`)."""
     params, world = transform.sharding.params, comm.world_size
-    mine = _pieces(len(params), sums)
+    mine = _pieces(len(params), sums, comm)
     views = torch.empty(world * mine.numel(), dtype=torch.float64, device=params[0].device)
     comm.all_gather(views, mine.to(params[0].device)).wait()
     every = views.cpu().view(world, 2, -1)  # [rank, (squares | peaks), parameter + 1]
@@ -139,19 +139,21 @@ def owners_step(
     return result
 
 
-def _pieces(count: int, sums: Sequence[tuple[torch.Tensor, Any]]) -> torch.Tensor:
-    """Over this rank's piece of the summed buckets (float64): each parameter's squared 2-norm,
-    then whether any value is not finite; each parameter's largest magnitude, then 0."""
+def _pieces(count: int, sums: Sequence[tuple[torch.Tensor, Any]], comm: Comm) -> torch.Tensor:
+    """Over this rank's piece of the summed buckets: each parameter's squared 2-norm (in
+    float64), then whether any is not finite (a value that is not makes its square sum so);
+    each parameter's largest magnitude, then 0. Only the piece is read: the rest is zero."""
     out = torch.zeros(2, count + 1, dtype=torch.float64)
-    finite = True
     for flat, slots in sums:
+        c = _chunk(flat.numel(), comm.world_size)
+        lo, hi = comm.rank * c, min((comm.rank + 1) * c, flat.numel())
         for i, start, stop in slots:
-            piece = flat[start:stop].double()
-            if piece.numel():
-                out[0, i] += float(piece.square().sum())
-                out[1, i] = max(float(out[1, i]), float(piece.abs().max()))
-        finite = finite and bool(torch.isfinite(flat).all())
-    out[0, -1] = 0.0 if finite else 1.0
+            a, z = max(start, lo), min(stop, hi)
+            if a < z:
+                piece = flat[a:z]
+                out[0, i] += float(torch.linalg.vector_norm(piece, dtype=torch.float64)) ** 2
+                out[1, i] = max(float(out[1, i]), float(torch.linalg.vector_norm(piece, math.inf)))
+    out[0, -1] = 0.0 if bool(torch.isfinite(out[0, :-1]).all()) else 1.0
     return out.view(-1)
 
 
