@@ -139,9 +139,9 @@ class Stepper:
         """Gradients present before a step's first backward were not made by this step."""
         if self.accumulated:
             return
-        for p in self.driver.params:
-            if p.grad is not None and bool(p.grad.any()):
-                raise RuntimeError(BACKWARD_TWICE)
+        grads = [p.grad for p in self.driver.params if p.grad is not None]
+        if grads and bool(torch.stack([g.any() for g in grads]).any()):  # one read, not one each
+            raise RuntimeError(BACKWARD_TWICE)
 
     def _stamp(self) -> torch.Tensor:
         size, mark = self.batch if self.batch is not None else (None, None)
