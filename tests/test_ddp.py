@@ -372,11 +372,14 @@ def test_zero_redundancy_optimizer_shards_adamw_exactly_and_its_whole_state_resu
     alone), with steps decided as on a GPU (where the clipped norm needs the host); the state
     consolidated on rank 0 is one process's AdamW state, in AdamW's own layout, and loaded on
     every rank (under torchrun, over shared memory, where the parts are cut inside the first
-    weight) it resumes to one process's parameters after all 7 steps (the last batch short)."""
+    weight) it resumes to one process's parameters after all 7 steps (the last batch short).
+    A run whose first bias is frozen after wrapping keeps the whole sum and ends as one
+    process does."""
     script = ROOT / "tests" / "scripts" / "ddp_zero.py"
     monkeypatch.setenv("TOWERS_TRANSPORT", "gloo")
     monkeypatch.setenv("TOWERS_DECIDE_ON_DEVICE", "1")
     launch(tmp_path, script, 2, "towers", str(tmp_path), "first")
+    launch(tmp_path, script, 2, "towers", str(tmp_path), "frozen")
     monkeypatch.delenv("TOWERS_TRANSPORT")
     monkeypatch.delenv("TOWERS_DECIDE_ON_DEVICE")
     launch(tmp_path, script, 2, "torchrun", str(tmp_path), "resume")
@@ -388,8 +391,11 @@ def test_zero_redundancy_optimizer_shards_adamw_exactly_and_its_whole_state_resu
     batches = [torch.cat([part[k : k + size] for part in ranks]) for k in range(0, 112, size)]
     assert len(batches) == 7 and len(batches[-1]) == 11
 
-    def trained(steps: int, dtype: torch.dtype, moments: bool) -> tuple[dict, list[float]]:
+    def trained(
+        steps: int, dtype: torch.dtype, moments: bool, frozen: bool = False
+    ) -> tuple[dict, list[float]]:
         model = job.make_model().to(dtype)
+        model[0].bias.requires_grad_(not frozen)
         opt = torch.optim.AdamW(model.parameters(), lr=job.LR, weight_decay=job.DECAY)
         for index in batches[:steps]:
             x, y = (t.to(dtype) for t in dataset[index])
@@ -407,7 +413,9 @@ def test_zero_redundancy_optimizer_shards_adamw_exactly_and_its_whole_state_resu
     got = _with_moments(model, first["optimizer"]["state"])
     Reference.run(lambda dtype: trained(4, dtype, True)).check(got, "the consolidated state")
     final = Reference.run(lambda dtype: trained(7, dtype, False))
-    final.check(torch.load(tmp_path / "final.pt"), "resumed from the consolidated state")
+    final.check(torch.load(tmp_path / "resume.pt"), "resumed from the consolidated state")
+    frozen = Reference.run(lambda dtype: trained(7, dtype, False, frozen=True))
+    frozen.check(torch.load(tmp_path / "frozen.pt"), "a bias frozen after wrapping")
     held = [torch.load(tmp_path / f"held-{r}.pt") for r in range(2)]
     assert held == [2 * 289, 2 * 289]  # exp_avg and exp_avg_sq of each rank's piece
 

@@ -2,12 +2,13 @@
 weight decay and the gradient's norm clipped, over rank-strided batches of 16 (torch's order,
 unpadded: 203 samples make 6 global batches of 32 and one of 11).
 
-    towers run ddp_zero.py -n 2 -- OUT first|resume
+    towers run ddp_zero.py -n 2 -- OUT first|resume|frozen
 
 ``first`` trains the first 4 steps, consolidates the optimizer's state on rank 0, which saves
 it with the parameters to ``OUT/first.pt``; every rank saves the state elements it holds to
 ``OUT/held-R.pt``. ``resume`` loads ``OUT/first.pt`` on every rank and trains the other 3 steps;
-rank 0 saves the parameters to ``OUT/final.pt``.
+rank 0 saves the parameters to ``OUT/resume.pt``. ``frozen`` freezes the first bias after
+wrapping the model and trains all 7 steps; rank 0 saves the parameters to ``OUT/frozen.pt``.
 """
 
 import sys
@@ -40,6 +41,8 @@ def main(out: Path, phase: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = DDP(make_model())
+    if phase == "frozen":  # frozen after wrapping: its towers keep summing the whole gradient
+        model.module[0].bias.requires_grad_(False)
     optimizer = ZeroRedundancyOptimizer(
         model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=DECAY
     )
@@ -50,7 +53,7 @@ def main(out: Path, phase: str) -> None:
         model.module.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
     for k, (x, y) in enumerate(loader):
-        if (k >= FIRST) == (phase == "first"):
+        if phase != "frozen" and (k >= FIRST) == (phase == "first"):
             continue
         loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
@@ -65,7 +68,7 @@ def main(out: Path, phase: str) -> None:
         held = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         torch.save(sum(v.numel() for v in held if v.dim() > 0), out / f"held-{rank}.pt")
     elif rank == 0:
-        torch.save(model.module.state_dict(), out / "final.pt")
+        torch.save(model.module.state_dict(), out / f"{phase}.pt")
     dist.destroy_process_group()
 
 
