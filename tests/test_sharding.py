@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 import towers
 from towers.engines.shard import ELEMENTWISE, layout
 from towers.engines.shard_gather import IN_FLIGHT, PIECE
+from towers.engines.transforms.scatter import _pieces
 
 STEPS, CLIP = 7, 0.05
 
@@ -423,6 +425,30 @@ def test_a_part_sent_in_many_calls_over_gloo_trains_as_one_process():
     )  # fmt: skip
     reference.check_losses(result.losses, "6 steps")
     reference.check(result.model, "6 steps")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_a_tower_reports_its_piece_of_the_sum_and_whether_it_overflowed(dtype):
+    """What each tower tells the others of its piece of a summed bucket, to decide the step
+    and fill the stand-ins: each parameter's squared 2-norm and largest magnitude over the
+    piece alone, and whether a value there is not finite, as where finite gradients summed
+    past the dtype's range (a tower's own non-finite gradient rides in the step's metadata)."""
+    flat = torch.arange(1, 11, dtype=dtype)  # parameter 0: elements 0-5, parameter 1: 6-9
+    slots = [(0, 0, 6), (1, 6, 10)]
+    second = SimpleNamespace(rank=1, world_size=2)  # its piece: elements 5-9
+
+    def reported() -> torch.Tensor:
+        return _pieces(2, [(flat, slots)], second).view(2, 3)
+
+    expected = torch.tensor([[36.0, 7**2 + 8**2 + 9**2 + 10**2, 0.0], [6.0, 10.0, 0.0]])
+    torch.testing.assert_close(reported(), expected.double(), rtol=1e-12, atol=0.0)  # float64
+    flat[1] = float("nan")  # outside the piece: another tower's to report
+    assert reported()[0, 2] == 0.0
+    flat[8] = torch.tensor(torch.finfo(dtype).max, dtype=dtype) * 2  # a sum that overflowed
+    assert reported()[0, 2] == 1.0
+    if dtype == torch.float64:  # finite, but its square is past float64's range: not raised
+        flat[8] = 1e160
+        assert reported()[0, 2] == 1.0
 
 
 def test_train_refuses_what_it_cannot_shard_before_any_worker_starts():

@@ -151,7 +151,8 @@ def _pieces(count: int, sums: Sequence[tuple[torch.Tensor, Any]], comm: Comm) ->
             a, z = max(start, lo), min(stop, hi)
             if a < z:
                 piece = flat[a:z]
-                out[0, i] += float(torch.linalg.vector_norm(piece, dtype=torch.float64)) ** 2
+                norm = float(torch.linalg.vector_norm(piece, dtype=torch.float64))
+                out[0, i] += norm * norm  # inf past float64's range (where ** 2 would raise)
                 out[1, i] = max(float(out[1, i]), float(torch.linalg.vector_norm(piece, math.inf)))
     out[0, -1] = 0.0 if bool(torch.isfinite(out[0, :-1]).all()) else 1.0
     return out.view(-1)
