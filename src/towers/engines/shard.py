@@ -112,6 +112,10 @@ class ShardedState:
         for part in parts[self.rank]:
             self._owned.setdefault(part.index, []).append(part)
 
+    def comm(self) -> Comm:
+        """The ranks the state is sharded over, now."""
+        return self._comm()
+
     def mine(self) -> list[Part]:
         return self.parts[self.rank]
 

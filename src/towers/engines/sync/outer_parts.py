@@ -19,7 +19,6 @@ so the mode refuses one (:meth:`towers.engines.modes.Diloco.check_sharding`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -137,10 +136,15 @@ class OuterParts:
                 b.copy_(self.buffers[n])
         return outer
 
-    def state_dict(self, gather: Callable[[Any], list[Any]], keep: bool) -> dict[str, Any] | None:
+    def state_dict(self, keep: bool) -> dict[str, Any] | None:
         """The outer optimizer's whole state, in its class's own layout (what an unsharded run
-        saves); ``gather``: every rank's records, a collective; ``None`` unless ``keep``."""
-        parts = gather(part_state(self.sharding, self.optimizer))
+        saves), put together where ``keep`` (elsewhere ``None``) from every rank's part, sent
+        one at a time: a rank that does not keep them holds one at a time (a collective)."""
+        comm = self.sharding.comm()
+        mine, parts = part_state(self.sharding, self.optimizer), []
+        for rank in range(comm.world_size):
+            part = comm.broadcast_object(mine if rank == comm.rank else None, src=rank)
+            parts += [part] if keep else []
         return whole_state(self.sharding, self.optimizer, parts) if keep else None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
