@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..engines.shard import ShardedState, refuse_unshardable
-from ..engines.shard_files import load_whole, part_state, whole_state
+from ..engines.shard_files import consolidated, load_whole
 from ..engines.transforms import AllReduce
 from ..engines.transforms.scatter import scatter_for
 from . import ddp
@@ -88,15 +88,7 @@ class ZeroRedundancyOptimizer:
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole state on rank ``to`` (a collective: every rank calls it), one
         rank's part at a time; ``state_dict()`` there then returns it."""
-        sharding, comm = self._zero, ddp.context().comm
-        held = sharding.held(self)  # type: ignore[arg-type]
-        mine = part_state(sharding, self) if held is not None else []  # type: ignore[arg-type]
-        parts = []
-        for rank in range(comm.world_size):
-            part = comm.broadcast_object(mine if rank == comm.rank else None, src=rank)
-            if comm.rank == to:
-                parts.append(part)
-        self._whole = whole_state(sharding, self, parts) if comm.rank == to else None  # type: ignore[arg-type]
+        self._whole = consolidated(self._zero, self, to)  # type: ignore[arg-type]
 
     def state_dict(self) -> dict[str, Any]:
         """The whole state (``optimizer_class``'s layout) on the rank it was consolidated on."""

@@ -20,6 +20,7 @@ from . import checkpoint
 from .shard import Part, ShardedState
 
 __all__ = [
+    "consolidated",
     "describe",
     "load_agreed",
     "load_whole",
@@ -331,6 +332,19 @@ def whole_state(
             for k, v in values.items()
         }
     return {"state": state, "param_groups": out_groups}
+
+
+def consolidated(
+    sharding: ShardedState, optimizer: torch.optim.Optimizer, to: int
+) -> dict[str, Any] | None:
+    """:func:`whole_state` on rank ``to`` (elsewhere ``None``), from every rank's part sent one
+    at a time, so that a rank holds one part at a time, ``to`` the whole (a collective)."""
+    comm = sharding.comm()
+    mine, parts = part_state(sharding, optimizer), []
+    for rank in range(comm.world_size):
+        part = comm.broadcast_object(mine if rank == comm.rank else None, src=rank)
+        parts += [part] if comm.rank == to else []
+    return whole_state(sharding, optimizer, parts) if comm.rank == to else None
 
 
 def load_whole(

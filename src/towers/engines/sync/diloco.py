@@ -408,7 +408,7 @@ class Periods:
                 "buffers": None if flight.buffers is None else flight.buffers.cpu(),
             }
         if self.sharded is not None:  # the whole state, as unsharded, in rank 0's checkpoint
-            whole = self.sharded.state_dict(keep=driver.rank == 0)
+            whole = self.sharded.state_dict()
         return {
             "boundary": self.boundary,
             "outer_optimizer": whole if self.sharded is not None else self.outer_opt.state_dict(),

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..job import OptimizerFactory
 from ..shard import Part, ShardedState
-from ..shard_files import load_whole, part_state, whole_state
+from ..shard_files import consolidated, load_whole
 from .message import unflatten
 
 __all__ = ["OuterParts", "refuse_low_precision"]
@@ -136,16 +136,10 @@ class OuterParts:
                 b.copy_(self.buffers[n])
         return outer
 
-    def state_dict(self, keep: bool) -> dict[str, Any] | None:
+    def state_dict(self) -> dict[str, Any] | None:
         """The outer optimizer's whole state, in its class's own layout (what an unsharded run
-        saves), put together where ``keep`` (elsewhere ``None``) from every rank's part, sent
-        one at a time: a rank that does not keep them holds one at a time (a collective)."""
-        comm = self.sharding.comm()
-        mine, parts = part_state(self.sharding, self.optimizer), []
-        for rank in range(comm.world_size):
-            part = comm.broadcast_object(mine if rank == comm.rank else None, src=rank)
-            parts += [part] if keep else []
-        return whole_state(self.sharding, self.optimizer, parts) if keep else None
+        saves), on rank 0 (elsewhere ``None``; a collective)."""
+        return consolidated(self.sharding, self.optimizer, to=0)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take this tower's part of a whole outer optimizer state."""
