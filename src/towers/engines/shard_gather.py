@@ -48,7 +48,6 @@ class Gathers:
     ) -> None:
         """Every rank's ``parts`` of the parameters ``indices`` into ``params`` (one tensor per
         parameter, each of its shape)."""
-        widest = max(sum(part.size for part in ps) for ps in parts)
         by_dtype: dict[torch.dtype, list[list[Part]]] = {}
         for rank, owned in enumerate(parts):
             for part in owned:
@@ -56,7 +55,8 @@ class Gathers:
                     dtype = self.params[part.index].dtype
                     by_dtype.setdefault(dtype, [[] for _ in range(self.world)])[rank].append(part)
         for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-            self._gather(comm, by_dtype[dtype], dtype, params, widest)
+            lent = self._lent(comm, dtype, parts)
+            self._gather(comm, by_dtype[dtype], dtype, params, lent)
 
     def _gather(
         self,
@@ -64,11 +64,10 @@ class Gathers:
         parts: list[list[Part]],
         dtype: torch.dtype,
         params: Sequence[torch.Tensor],
-        widest: int,
+        lent: torch.Tensor | None,
     ) -> None:
         width = max(sum(part.size for part in ps) for ps in parts)
         runs = [_Run(ps) for ps in parts]
-        lent = self._lent(comm, dtype, widest)
         if lent is not None:
             self._gather_lent(comm, runs, width, lent, params)
         else:
@@ -130,11 +129,13 @@ class Gathers:
         while started:
             land()
 
-    def _lent(self, comm: Comm, dtype: torch.dtype, widest: int) -> torch.Tensor | None:
+    def _lent(self, comm: Comm, dtype: torch.dtype, parts: list[list[Part]]) -> torch.Tensor | None:
         """A buffer that ``comm`` sums in place (shared memory, on one host), for gathers of
-        ``dtype``: a collective, asked once per dtype; ``None`` where the transport lends none
-        or the ranks span hosts (a sum between hosts would move twice an all-gather's bytes)."""
+        ``dtype`` over ``parts`` (every rank's): a collective, asked once per dtype; ``None``
+        where the transport lends none or the ranks span hosts (a sum between hosts would move
+        twice an all-gather's bytes)."""
         if dtype not in self.buffers:
+            widest = max(sum(part.size for part in ps) for ps in parts)
             n = min(widest, max(1, GATHER_ELEMENTS // self.world)) * self.world
             usable = dtype.is_floating_point and comm.levels is None
             self.buffers[dtype] = comm.buffer(n, dtype) if usable else None
