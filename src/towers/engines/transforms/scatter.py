@@ -44,13 +44,18 @@ def _chunk(numel: int, world: int) -> int:
     return max(1, -(-numel // world))
 
 
+def _piece(numel: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s piece ``[lo, hi)`` of a bucket of ``numel`` elements (empty past its end)."""
+    c = _chunk(numel, world)
+    return rank * c, min((rank + 1) * c, numel)
+
+
 def owned_parts(layouts: Sequence[BucketLayout], world: int) -> list[list[Part]]:
     """Each rank's parts when rank ``r`` owns piece ``r`` of every bucket."""
     owned: list[list[Part]] = [[] for _ in range(world)]
     for layout in layouts:
-        c = _chunk(layout.numel, world)
         for r in range(world):
-            lo, hi = r * c, min((r + 1) * c, layout.numel)
+            lo, hi = _piece(layout.numel, world, r)
             for index, (start, stop) in zip(layout.params, layout.slots, strict=True):
                 a, z = max(lo, start), min(hi, stop)
                 if a < z:
@@ -95,7 +100,7 @@ class ScatterToOwners:
         works = sum_tail(b, comm)
 
         def summed() -> Bucket:
-            lo, hi = rank * c, min((rank + 1) * c, n)
+            lo, hi = _piece(n, world, rank)
             mine = torch.empty(c, dtype=b.grads.dtype, device=b.grads.device)
             for j, got, work in pieces:
                 work.wait()
@@ -145,8 +150,7 @@ def _pieces(count: int, sums: Sequence[tuple[torch.Tensor, Any]], comm: Comm) ->
     each parameter's largest magnitude, then 0. Only the piece is read: the rest is zero."""
     out = torch.zeros(2, count + 1, dtype=torch.float64)
     for flat, slots in sums:
-        c = _chunk(flat.numel(), comm.world_size)
-        lo, hi = comm.rank * c, min((comm.rank + 1) * c, flat.numel())
+        lo, hi = _piece(flat.numel(), comm.world_size, comm.rank)
         for i, start, stop in slots:
             a, z = max(start, lo), min(stop, hi)
             if a < z:
