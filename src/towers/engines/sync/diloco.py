@@ -407,11 +407,11 @@ class Periods:
                 "steps": [asdict(s) for s in flight.steps],
                 "buffers": None if flight.buffers is None else flight.buffers.cpu(),
             }
-        if self.sharded is not None:  # the whole state, as unsharded, in rank 0's checkpoint
-            whole = self.sharded.state_dict()
+        # sharded: the whole state, as unsharded, in rank 0's checkpoint
+        outer = self.outer_opt if self.sharded is None else self.sharded
         return {
             "boundary": self.boundary,
-            "outer_optimizer": whole if self.sharded is not None else self.outer_opt.state_dict(),
+            "outer_optimizer": outer.state_dict(),
             "flight": landed,
             "ranks": ranks,
         }
